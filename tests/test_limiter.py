@@ -1,0 +1,251 @@
+"""The GCRA limiter on its own, driven by a fake clock."""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.limiter import NS_PER_SECOND, OutputRateLimiter
+
+BURST_NS = 100_000_000
+MS = 1_000_000
+
+
+class FakeClock:
+    def __init__(self, now_ns: int = 0) -> None:
+        self.now_ns = now_ns
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, ns: int) -> None:
+        self.now_ns += ns
+
+
+def window_bound(window_ns: int, rate: float, burst_ns: int = BURST_NS) -> Fraction:
+    """(W + burst) * rate + 1, exactly."""
+    return Fraction(window_ns + burst_ns, NS_PER_SECOND) * Fraction(repr(rate)) + 1
+
+
+def assert_window_bound(admitted_at: list[int], rate: float) -> None:
+    """Every window that starts and ends at an admitted token respects the bound.
+
+    Those windows are the tightest: any other window holds no more tokens than
+    the one shrunk to its first and last admitted token.
+    """
+    for i, start in enumerate(admitted_at):
+        for j in range(i, len(admitted_at)):
+            count = j - i + 1
+            assert count <= window_bound(admitted_at[j] - start, rate), (
+                f"{count} tokens in {admitted_at[j] - start} ns at {rate} tok/s"
+            )
+
+
+RATES = st.sampled_from([0.1, 0.5, 1, 2.5, 3.7, 10, 33.3, 100, 1234.5, 5000])
+
+
+def test_article_timeline() -> None:
+    """limit 10 tok/s, 4 streams, a step every 30 ms (the specification's table)."""
+    clock = FakeClock()
+    limiter = OutputRateLimiter(10, clock=clock)
+    admitted: dict[int, int] = {}
+    for step in range(11):
+        clock.now_ns = step * 30 * MS
+        admitted[step * 30] = sum(limiter.try_take("a") for _ in range(4))
+    assert admitted == {
+        0: 2, 30: 0, 60: 0, 90: 0, 120: 1, 150: 0,
+        180: 0, 210: 1, 240: 0, 270: 0, 300: 1,
+    }  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=RATES,
+    steps=st.lists(
+        st.tuples(st.integers(0, 400 * MS), st.integers(0, 30)),
+        min_size=1,
+        max_size=120,
+    ),
+)
+def test_window_bound_holds_for_any_steps_and_demand(
+    rate: float, steps: list[tuple[int, int]]
+) -> None:
+    clock = FakeClock(12_345)
+    limiter = OutputRateLimiter(rate, clock=clock)
+    admitted_at: list[int] = []
+    for gap_ns, demand in steps:
+        clock.advance(gap_ns)
+        for _ in range(demand):
+            if limiter.try_take("u"):
+                admitted_at.append(clock.now_ns)
+    assert_window_bound(admitted_at, rate)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rate=RATES,
+    gaps=st.lists(st.integers(1, BURST_NS), min_size=50, max_size=400),
+)
+def test_continuous_demand_reaches_the_rate(rate: float, gaps: list[int]) -> None:
+    """With step gaps no longer than the burst, no credit is ever lost."""
+    clock = FakeClock()
+    limiter = OutputRateLimiter(rate, clock=clock)
+    count = 0
+    for gap in [0, *gaps]:
+        clock.advance(gap)
+        while limiter.try_take("u"):
+            count += 1
+    elapsed = clock.now_ns
+    # Exactly floor((t + burst) * rate) + 1 tokens by time t: GCRA never fell
+    # behind, so the TAT advanced by one interval per admitted token.
+    expected = math.floor(window_bound(elapsed, rate) - 1) + 1
+    assert count == expected
+
+
+@pytest.mark.parametrize("rate", [1234.5, 987.6])
+def test_no_drift_over_millions_of_tokens(rate: float) -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(rate, clock=clock)
+    count = 0
+    step_ns = 7 * MS + 3  # deliberately not a multiple of the interval
+    while True:
+        while limiter.try_take("u"):
+            count += 1
+        if count >= 2_000_000:
+            break
+        clock.advance(step_ns)
+    expected = math.floor(window_bound(clock.now_ns, rate) - 1) + 1
+    assert count == expected
+
+
+def test_users_do_not_share_budgets() -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(10, {"vip": 100}, clock=clock)
+    assert limiter.rate_of("vip") == 100
+    assert limiter.rate_of("anyone") == 10
+    taken = {user: 0 for user in ("a", "b", "vip")}
+    for _ in range(100):
+        clock.advance(10 * MS)
+        for user in taken:
+            taken[user] += limiter.try_take(user)
+    # 1 s of steps: each default user gets ~ (1 + 0.1) * 10 + 1 at most.
+    assert taken["a"] == taken["b"] == 11
+    assert taken["vip"] == 100  # one per step: never throttled
+
+
+def test_refusal_changes_nothing_and_refund_restores() -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(10, clock=clock)
+    assert limiter.try_take("u") and limiter.try_take("u")
+    ready = limiter.ready_at_ns("u")
+    assert not limiter.try_take("u")
+    assert limiter.ready_at_ns("u") == ready  # a refusal leaves no trace
+    limiter.refund("u")
+    assert limiter.try_take("u")  # the refunded token is available again
+    assert not limiter.try_take("u")
+
+
+def test_refund_of_unknown_user_is_harmless() -> None:
+    limiter = OutputRateLimiter(10, clock=FakeClock())
+    limiter.refund("never-seen")
+    assert limiter.try_take("never-seen")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=RATES,
+    takes=st.integers(1, 50),
+    gap=st.integers(0, 2 * NS_PER_SECOND),
+)
+def test_ready_at_is_exact_and_never_early(rate: float, takes: int, gap: int) -> None:
+    clock = FakeClock(1_000)
+    limiter = OutputRateLimiter(rate, clock=clock)
+    for _ in range(takes):
+        limiter.try_take("u")
+    clock.advance(gap)
+    ready = limiter.ready_at_ns("u")
+    if ready > clock.now_ns:
+        clock.now_ns = ready - 1
+        assert not limiter.try_take("u")
+        clock.now_ns = ready
+    assert limiter.try_take("u")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.integers(0, 300 * MS),  # clock advance
+            st.sampled_from(["a", "b", "c", "vip"]),
+            st.sampled_from(["take", "refund", "cleanup"]),
+        ),
+        max_size=200,
+    )
+)
+def test_cleanup_never_changes_a_decision(ops: list[tuple[int, str, str]]) -> None:
+    clock = FakeClock()
+    kept = OutputRateLimiter(2.5, {"vip": 40}, clock=clock)
+    cleaned = OutputRateLimiter(2.5, {"vip": 40}, clock=clock)
+    taken_this_step: dict[str, int] = {}
+    for advance, user, op in ops:
+        if advance:
+            clock.advance(advance)
+            taken_this_step.clear()  # refunds only happen within one step
+        if op == "take":
+            decision = kept.try_take(user)
+            assert cleaned.try_take(user) == decision
+            taken_this_step[user] = taken_this_step.get(user, 0) + decision
+        elif op == "refund" and taken_this_step.get(user):
+            kept.refund(user)
+            cleaned.refund(user)
+            taken_this_step[user] -= 1
+        elif op == "cleanup" and not taken_this_step:
+            cleaned.cleanup_idle_users()
+        assert kept.ready_at_ns(user) == cleaned.ready_at_ns(user)
+
+
+def test_memory_stays_bounded_with_a_million_users() -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(5, clock=clock)
+    peak = 0
+    for i in range(1_000_000):
+        limiter.try_take(f"user-{i}")
+        if i % 1_000 == 999:
+            clock.advance(10 * MS)  # a scheduler step
+        if i % 16_000 == 15_999:
+            limiter.cleanup_idle_users()  # every 16 steps
+        peak = max(peak, len(limiter))
+    # A user's TAT is 200 ms ahead after one token at 5 tok/s, so only the
+    # users of the last 20 steps (20,000) survive a cleanup; 16 more steps
+    # (16,000 users) arrive before the next one.
+    assert peak <= 37_000
+    clock.advance(NS_PER_SECOND)
+    assert limiter.cleanup_idle_users() > 0
+    assert len(limiter) == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, -math.inf])
+def test_bad_rates_are_rejected_naming_the_value(bad: float) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        OutputRateLimiter(bad)
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        OutputRateLimiter(10, {"u": bad})
+
+
+@pytest.mark.parametrize("bad", [True, "10", None])
+def test_non_numeric_rates_are_rejected(bad: object) -> None:
+    with pytest.raises(ValueError, match="tokens per second"):
+        OutputRateLimiter(bad)  # type: ignore[arg-type]
+
+
+def test_empty_user_is_rejected() -> None:
+    with pytest.raises(ValueError, match="''"):
+        OutputRateLimiter(10, {"": 5})
+    limiter = OutputRateLimiter(10)
+    with pytest.raises(ValueError, match="''"):
+        limiter.try_take("")
