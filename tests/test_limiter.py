@@ -249,3 +249,29 @@ def test_empty_user_is_rejected() -> None:
     limiter = OutputRateLimiter(10)
     with pytest.raises(ValueError, match="''"):
         limiter.try_take("")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=RATES,
+    steps=st.lists(
+        st.tuples(st.integers(0, 300 * MS), st.integers(0, 40), st.integers(0, 40)),
+        max_size=60,
+    ),
+)
+def test_take_up_to_equals_repeated_try_take(
+    rate: float, steps: list[tuple[int, int, int]]
+) -> None:
+    clock = FakeClock()
+    one_by_one = OutputRateLimiter(rate, clock=clock)
+    batched = OutputRateLimiter(rate, clock=clock)
+    for advance, wanted, unused in steps:
+        clock.advance(advance)
+        taken = 0
+        while taken < wanted and one_by_one.try_take("u"):
+            taken += 1
+        assert batched.take_up_to("u", wanted) == taken
+        # Reserving more than needed and refunding the rest changes nothing.
+        extra = batched.take_up_to("u", unused)
+        batched.refund("u", extra)
+        assert batched.ready_at_ns("u") == one_by_one.ready_at_ns("u")

@@ -107,6 +107,15 @@ class OutputRateLimiter:
 
     def try_take(self, user: str) -> bool:
         """Admit one output token for ``user`` now, or refuse and change nothing."""
+        return self.take_up_to(user, 1) == 1
+
+    def take_up_to(self, user: str, wanted: int) -> int:
+        """Admit up to ``wanted`` tokens for ``user`` now; return how many.
+
+        Exactly equivalent to calling ``try_take`` that many times at the same
+        clock reading, but O(1): the scheduler reserves a user's allowance for
+        a whole step with one call instead of one call per request.
+        """
         if not user:
             raise ValueError(f"user name must be a non-empty string, got {user!r}")
         rate = self._overrides.get(user, self._default)
@@ -114,18 +123,20 @@ class OutputRateLimiter:
         tat = self._tat.get(user, now)
         if tat < now:
             tat = now  # idle credit never accumulates beyond the burst
-        if tat - now > rate.burst:
-            return False
-        self._tat[user] = tat + rate.interval
-        return True
+        headroom = now + rate.burst - tat
+        if headroom < 0 or wanted <= 0:
+            return 0
+        taken = min(wanted, headroom // rate.interval + 1)
+        self._tat[user] = tat + taken * rate.interval
+        return taken
 
-    def refund(self, user: str) -> None:
-        """Give back one token taken earlier in the same scheduler step."""
+    def refund(self, user: str, count: int = 1) -> None:
+        """Give back ``count`` tokens taken earlier in the same scheduler step."""
         tat = self._tat.get(user)
-        if tat is None:
+        if tat is None or count <= 0:
             return  # nothing was taken (or the state was already idle)
         rate = self._overrides.get(user, self._default)
-        self._tat[user] = tat - rate.interval
+        self._tat[user] = tat - count * rate.interval
 
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock reading at which ``try_take(user)`` can succeed.

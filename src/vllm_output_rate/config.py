@@ -1,0 +1,189 @@
+"""The operator's settings: parsing and validation, with no vLLM import.
+
+Settings can come from three places, merged in this order (later wins):
+a JSON or YAML limits file, ``--additional-config '{"output_rate": {...}}'``,
+and the two command-line flags. Every error names the option and the value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllm_output_rate.limiter import validate_rate
+
+# The key under vLLM's `additional_config` that carries our settings.
+ADDITIONAL_CONFIG_KEY = "output_rate"
+DEFAULT_FLAG = "--default-user-output-tokens-per-second"
+USERS_FLAG = "--user-output-tokens-per-second"
+FILE_FLAG = "--output-rate-config"
+DEFAULT_KEY = "default_user_output_tokens_per_second"
+USERS_KEY = "user_output_tokens_per_second"
+FILE_KEY = "config_file"
+MAX_USER_NAME_LENGTH = 256
+# Requests that do not name a user share this budget.
+ANONYMOUS_USER = "__anonymous__"
+
+
+class OutputRateConfigError(ValueError):
+    """A setting is malformed; the message names the option and the value."""
+
+
+def validate_user_name(user: object, where: str) -> str:
+    if not isinstance(user, str):
+        raise OutputRateConfigError(
+            f"{where}: user name must be a string, got {user!r}"
+        )
+    if not user:
+        raise OutputRateConfigError(f"{where}: user name must not be empty")
+    if len(user) > MAX_USER_NAME_LENGTH:
+        raise OutputRateConfigError(
+            f"{where}: user name {user[:40]!r}... is {len(user)} characters long; "
+            f"the limit is {MAX_USER_NAME_LENGTH}"
+        )
+    return user
+
+
+def _rate(value: object, where: str) -> float:
+    try:
+        return validate_rate(value, where)
+    except ValueError as exc:
+        raise OutputRateConfigError(str(exc)) from None
+
+
+def _user_rates(value: object, where: str) -> dict[str, float]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise OutputRateConfigError(
+                f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
+            ) from None
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(
+            f"{where}: expected a JSON object of user name to tokens per second, "
+            f"got {value!r}"
+        )
+    return {
+        validate_user_name(user, where): _rate(rate, f"{where}: rate of user {user!r}")
+        for user, rate in value.items()
+    }
+
+
+@dataclass(frozen=True)
+class OutputRateSettings:
+    """Validated limits: a default rate and per-user overrides, in tok/s."""
+
+    default_rate: float
+    user_rates: Mapping[str, float] = field(default_factory=dict)
+    config_file: str | None = None
+
+    def to_additional_config(self) -> dict[str, Any]:
+        """The canonical form stored in ``additional_config["output_rate"]``."""
+        return {
+            DEFAULT_KEY: self.default_rate,
+            USERS_KEY: dict(self.user_rates),
+            FILE_KEY: self.config_file,
+        }
+
+    @classmethod
+    def from_additional_config(
+        cls, additional_config: Mapping[str, Any] | None
+    ) -> OutputRateSettings | None:
+        """Parse ``additional_config``; None when rate limiting is not enabled."""
+        section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if section is None:
+            return None
+        where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
+        if not isinstance(section, Mapping):
+            raise OutputRateConfigError(f"{where}: expected an object, got {section!r}")
+        unknown = set(section) - {DEFAULT_KEY, USERS_KEY, FILE_KEY}
+        if unknown:
+            raise OutputRateConfigError(
+                f"{where}: unknown keys {sorted(unknown)}; "
+                f"expected {[DEFAULT_KEY, USERS_KEY, FILE_KEY]}"
+            )
+        return merge_settings(
+            config_file=section.get(FILE_KEY),
+            default_rate=section.get(DEFAULT_KEY),
+            user_rates=section.get(USERS_KEY),
+            default_source=f"{where}[{DEFAULT_KEY!r}]",
+            users_source=f"{where}[{USERS_KEY!r}]",
+        )
+
+
+def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
+    """Read a JSON or YAML limits file (YAML is a superset of JSON).
+
+    Format::
+
+        default_user_output_tokens_per_second: 100
+        user_output_tokens_per_second:
+          user-a: 100
+          user-b: 500
+    """
+    where = f"{FILE_FLAG} {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise OutputRateConfigError(f"{where}: cannot read: {exc.strerror}") from None
+    try:
+        content = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise OutputRateConfigError(f"{where}: not valid YAML/JSON: {exc}") from None
+    if content is None:
+        content = {}
+    if not isinstance(content, Mapping):
+        raise OutputRateConfigError(f"{where}: expected a mapping at the top level")
+    unknown = set(content) - {DEFAULT_KEY, USERS_KEY}
+    if unknown:
+        raise OutputRateConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; "
+            f"expected {[DEFAULT_KEY, USERS_KEY]}"
+        )
+    default = content.get(DEFAULT_KEY)
+    return (
+        None if default is None else _rate(default, f"{where}: {DEFAULT_KEY}"),
+        _user_rates(content.get(USERS_KEY) or {}, f"{where}: {USERS_KEY}"),
+    )
+
+
+def merge_settings(
+    *,
+    config_file: str | None = None,
+    default_rate: object = None,
+    user_rates: object = None,
+    default_source: str = DEFAULT_FLAG,
+    users_source: str = USERS_FLAG,
+) -> OutputRateSettings | None:
+    """Combine a limits file with explicit values (explicit values win).
+
+    Returns None when no default rate is given anywhere: the feature is off.
+    The ``*_source`` names go into error messages.
+    """
+    file_default, merged_users = (
+        load_limits_file(config_file) if config_file else (None, {})
+    )
+    if user_rates is not None:
+        merged_users.update(_user_rates(user_rates, users_source))
+    if default_rate is not None:
+        default = _rate(default_rate, default_source)
+    elif file_default is not None:
+        default = file_default
+    elif merged_users:
+        raise OutputRateConfigError(
+            f"{users_source} (or a limits file) was given without {DEFAULT_FLAG}: "
+            "per-user limits need a default for everyone else"
+        )
+    else:
+        return None
+    return OutputRateSettings(
+        default_rate=default,
+        user_rates=merged_users,
+        config_file=str(config_file) if config_file else None,
+    )

@@ -1,0 +1,332 @@
+"""vLLM V1 schedulers that enforce per-user output-token rates.
+
+The subclasses reuse vLLM's own ``schedule()`` unchanged and steer it through
+three narrow hooks (listed in ``integration/seams.py`` and guarded by tests):
+
+* ``_reserve_prefill_lookahead`` runs for every request right after vLLM has
+  decided how many tokens to compute for it in this step. If that chunk
+  reaches the end of the sequence, the step samples a token: we charge the
+  user's budget here. Without budget we hold the chunk back by one position
+  (chunked prefill) or return 0, which makes vLLM skip the request while it
+  keeps its KV blocks and its place in ``running``.
+* ``_handle_blocked_waiting_request`` lets a waiting request that could only
+  run by sampling stay in the queue (skipped, order kept) when its user has
+  no budget, so it never stops other users' requests behind it.
+* ``max_num_active_reqs`` is raised for the step by the number of resident
+  requests skipped for lack of budget, so they do not hold active slots,
+  while ``max_num_running_reqs`` (--max-num-seqs) still bounds residency.
+
+Before each step the running list may be reordered (throttled requests last,
+a user's streams rotated, active slots shared round-robin between users), and
+at the end one refund returns every token charged to a request that was not
+dispatched after all. ``update_from_output`` never touches the limiter, which
+keeps asynchronous scheduling possible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_output_rate.config import OutputRateConfigError, OutputRateSettings
+from vllm_output_rate.identity import user_or_anonymous
+from vllm_output_rate.integration.compat import check_supported_config
+from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
+from vllm_output_rate.scheduling.step_budget import StepBudget
+
+logger = init_logger(__name__)
+
+# Longest idle wait of the engine loop while every runnable request is
+# throttled: short enough to notice other asynchronous readiness (grammar
+# compilation) promptly, long enough not to spin.
+MAX_IDLE_WAIT_S = 0.050
+# Forget idle users' limiter state this often (in steps).
+CLEANUP_EVERY_STEPS = 256
+# Per-request attributes this plugin keeps on vLLM's Request objects.
+USER_ATTR = "output_rate_user"
+LAST_SERVED_ATTR = "output_rate_last_served_step"
+
+
+def _user_of(request: Request) -> str:
+    return getattr(request, USER_ATTR)
+
+
+def _last_served_of(request: Request) -> int:
+    return getattr(request, LAST_SERVED_ATTR)
+
+
+class OutputRateMixin:
+    """The rate-limiting policy; combined with vLLM's Scheduler classes below."""
+
+    # Attributes of vLLM's Scheduler that the mixin reads (for type checkers).
+    running: list[Request]
+    waiting: Any
+    policy: SchedulingPolicy
+    max_num_running_reqs: int
+    max_num_active_reqs: int
+    hash_block_size: int
+
+    def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
+        settings = OutputRateSettings.from_additional_config(
+            vllm_config.additional_config
+        )
+        if settings is None:
+            raise OutputRateConfigError(
+                f"{type(self).__name__} needs --default-user-output-tokens-per-second"
+                " (or additional_config['output_rate'])"
+            )
+        check_supported_config(vllm_config)
+        self.output_rate_settings = settings
+        # --max-num-active-seqs; vLLM's own attribute is raised per step.
+        self.output_rate_active_cap = self.max_num_active_reqs
+        self._chunked_prefill = vllm_config.scheduler_config.enable_chunked_prefill
+        self._prefix_caching = vllm_config.cache_config.enable_prefix_caching
+        self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
+        self._step = 0
+        self._user_last_served: dict[str, int] = {}
+        self._charged: dict[str, Request] = {}  # request id -> request, this step
+        self._active_in_step = 0
+        # Active slots the running requests may fill in this step.
+        self._running_cap = self.output_rate_active_cap
+        self._engaged = False  # someone was throttled or the active cap binds
+        self._wakeup_ns: int | None = None
+        self._last_step_idle = False
+        # Resident requests skipped for lack of budget in the last step.
+        self.output_rate_throttled: list[Request] = []
+        logger.info(
+            "Per-user output rate limiting on: default %s tok/s, %d user "
+            "override(s), --max-num-seqs %d, --max-num-active-seqs %d",
+            settings.default_rate,
+            len(settings.user_rates),
+            self.max_num_running_reqs,
+            self.output_rate_active_cap,
+        )
+
+    # ----- configuration ------------------------------------------------
+
+    def use_limiter(self, limiter: OutputRateLimiter) -> None:
+        """Account against ``limiter`` from the next step on."""
+        self.output_rate_limiter = limiter
+        self._budget = StepBudget(limiter, self.max_num_running_reqs)
+
+    # ----- requests -----------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        # Parse the identity once; every step reads the cached attribute.
+        params = request.sampling_params
+        setattr(
+            request,
+            USER_ATTR,
+            user_or_anonymous(params.extra_args if params is not None else None),
+        )
+        setattr(request, LAST_SERVED_ATTR, -1)
+        super().add_request(request)  # type: ignore[misc]
+
+    # ----- the step -----------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._step += 1
+        self._budget.begin_step()
+        self._charged.clear()
+        self._active_in_step = 0
+        self._running_cap = self.output_rate_active_cap
+        self.output_rate_throttled = []
+        self.max_num_active_reqs = self.output_rate_active_cap
+        moved_arrivals = self._plan_step() if self._engaged else {}
+        try:
+            output = super().schedule(throttle_prefills)  # type: ignore[misc]
+        finally:
+            self.max_num_active_reqs = self.output_rate_active_cap
+            self._restore_arrivals(moved_arrivals)
+        self._settle(output)
+        return output
+
+    def _plan_step(self) -> dict[Request, float]:
+        """Order the running list for this step; see the module docstring."""
+        budget = self._budget
+        ready = [r for r in self.running if budget.has_budget(_user_of(r))]
+        throttled = [r for r in self.running if _user_of(r) in budget.refused_users]
+        priority = self.policy == SchedulingPolicy.PRIORITY
+        if len(ready) >= self.output_rate_active_cap:
+            # Active slots are contested. A user waiting at the head of the
+            # queue with nothing resident has been served least recently of
+            # all: keep one slot for it rather than let resident users fill
+            # every slot forever.
+            if self.waiting and _user_of(self.waiting.peek_request()) not in {
+                _user_of(r) for r in ready
+            }:
+                self._running_cap = self.output_rate_active_cap - 1
+            ready = fair_order(
+                ready,
+                _user_of,
+                _last_served_of,
+                self._user_last_served,
+                priority_of=(lambda r: r.priority) if priority else None,
+            )
+        else:
+            ready = rotate_within_groups(
+                ready,
+                (lambda r: (_user_of(r), r.priority)) if priority else _user_of,
+                _last_served_of,
+            )
+        # FCFS preempts the last running request: make that a throttled one.
+        self.running[:] = ready + throttled
+        if not priority:
+            return {}
+        # PRIORITY preempts max(priority, arrival_time): within a priority,
+        # make throttled requests look newest for the duration of the step.
+        moved = {r: r.arrival_time for r in throttled}
+        for request in throttled:
+            request.arrival_time = math.inf
+        return moved
+
+    def _restore_arrivals(self, moved: dict[Request, float]) -> None:
+        preempted = []
+        for request, arrival_time in moved.items():
+            request.arrival_time = arrival_time
+            if request.status == RequestStatus.PREEMPTED:
+                preempted.append(request)
+        if preempted:
+            # They entered the waiting heap with the temporary key; re-insert
+            # them with the real one.
+            self.waiting.remove_requests(preempted)
+            for request in preempted:
+                self.waiting.add_request(request)
+
+    def _settle(self, output: SchedulerOutput) -> None:
+        """The single refund point, plus bookkeeping for the next step."""
+        scheduled = output.num_scheduled_tokens
+        undispatched: Counter[str] = Counter()
+        for request_id, request in self._charged.items():
+            user = _user_of(request)
+            if request_id in scheduled:
+                setattr(request, LAST_SERVED_ATTR, self._step)
+                self._user_last_served[user] = self._step
+            else:
+                undispatched[user] += 1
+        self._wakeup_ns = self._budget.settle(undispatched)
+        self._last_step_idle = output.total_num_scheduled_tokens == 0
+        self._engaged = bool(self._budget.refused_users) or (
+            len(self.running) > self.output_rate_active_cap
+        )
+        if self._step % CLEANUP_EVERY_STEPS == 0:
+            self.output_rate_limiter.cleanup_idle_users()
+            live = {_user_of(r) for r in self.running}
+            self._user_last_served = {
+                u: s for u, s in self._user_last_served.items() if u in live
+            }
+
+    # ----- hooks called by vLLM's schedule() -----------------------------
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(  # type: ignore[misc]
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_new_tokens <= 0:
+            return num_new_tokens
+        in_running_loop = request.status == RequestStatus.RUNNING
+        user = _user_of(request)
+        samples = (
+            num_computed_tokens + num_new_tokens
+            >= request.num_tokens + request.num_output_placeholders
+            and request.request_id not in self._charged  # never charge twice
+        )
+        if samples and not self._budget.has_budget(user):
+            # No budget: compute the prompt up to the sampling position only.
+            held_back = (
+                request.num_tokens
+                + request.num_output_placeholders
+                - 1
+                - num_computed_tokens
+            )
+            if not (self._chunked_prefill and held_back > 0):
+                if in_running_loop:
+                    # Skipped: it keeps its KV blocks and worker slot but
+                    # gives its active slot to a waiting request.
+                    self.output_rate_throttled.append(request)
+                    self._raise_admission_cap()
+                return 0
+            samples = False
+            num_new_tokens = min(num_new_tokens, held_back)
+        if in_running_loop:
+            if self._active_in_step >= self._running_cap:
+                # Deferred: no active slot left for it in this step. Like a
+                # throttled request, it does not count as active for the
+                # admission of waiting requests.
+                self._raise_admission_cap()
+                return 0
+            self._active_in_step += 1
+        if samples:
+            self._budget.spend(user)
+            self._charged[request.request_id] = request
+        return num_new_tokens
+
+    def _raise_admission_cap(self) -> None:
+        """Let a resident request that is skipped in this step not count.
+
+        vLLM admits a waiting request while ``len(running)`` is below
+        ``max_num_active_reqs``; each skipped resident request raises that
+        bar by one, never beyond ``--max-num-seqs`` (the worker slots).
+        """
+        self.max_num_active_reqs = min(
+            self.max_num_running_reqs, self.max_num_active_reqs + 1
+        )
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
+            return False
+        # A request whose first chunk may have to sample cannot be held back by
+        # one position; let it wait in the queue (skipped, order kept) rather
+        # than stop the scan for everyone behind it.
+        return not self._may_only_run_by_sampling(request) or self._budget.has_budget(
+            _user_of(request)
+        )
+
+    def _may_only_run_by_sampling(self, request: Request) -> bool:
+        if not self._chunked_prefill:
+            return True  # the whole prompt runs at once and samples
+        if request.num_tokens - request.num_computed_tokens <= 1:
+            return True
+        # A prefix-cache hit stops at a block boundary and at most one token
+        # before the end; when that boundary is the last token, only the
+        # sampling position is left to compute.
+        return (
+            self._prefix_caching
+            and request.num_computed_tokens == 0
+            and (request.num_tokens - 1) % self.hash_block_size == 0
+        )
+
+    # ----- for the engine loop and observers ------------------------------
+
+    def output_rate_idle_wait_s(self) -> float:
+        """How long the engine may wait for input before the next step.
+
+        Non-zero only when the last step dispatched no work and some user was
+        refused: then nothing can run before that user's next token is due
+        (or a new request or abort arrives, which wakes the loop at once).
+        """
+        if not self._last_step_idle or self._wakeup_ns is None:
+            return 0.0
+        delay_ns = self._wakeup_ns - self.output_rate_limiter.now_ns()
+        return min(MAX_IDLE_WAIT_S, max(0.0, delay_ns / 1e9))
+
+
+class OutputRateScheduler(OutputRateMixin, Scheduler):
+    """vLLM's synchronous V1 scheduler with per-user output rate limits."""
+
+
+class OutputRateAsyncScheduler(OutputRateMixin, AsyncScheduler):
+    """vLLM's asynchronous V1 scheduler with per-user output rate limits."""

@@ -1,0 +1,391 @@
+"""The rate-limiting scheduler on vLLM's real scheduler and KV cache manager.
+
+Every test runs for synchronous and asynchronous scheduling, with a fake clock
+driving the limiter. After every test, the accounting invariant is checked:
+for each user, the tokens the limiter holds as spent equal the sampling steps
+the scheduler dispatched (charged at dispatch, refunded when not dispatched,
+never charged twice).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+from scheduler_harness import FakeClock, SchedulerHarness, make_scheduler
+
+from vllm_output_rate.limiter import OutputRateLimiter
+
+MS = 1_000_000
+S = 1_000_000_000
+
+
+class CountingLimiter(OutputRateLimiter):
+    """The real limiter, also counting net tokens and calls per user."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.net: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def take_up_to(self, user: str, wanted: int) -> int:
+        taken = super().take_up_to(user, wanted)
+        self.net[user] += taken
+        self.calls[user] += 1
+        return taken
+
+    def refund(self, user: str, count: int = 1) -> None:
+        super().refund(user, count)
+        self.net[user] -= count
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def is_async(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
+@pytest.fixture
+def limited(tiny_model_path: str, is_async: bool):
+    """Factory for a limited scheduler; checks the accounting afterwards."""
+    made: list[SchedulerHarness] = []
+
+    def make(default: float, users: dict[str, float] | None = None, **kwargs):
+        limits = {"default_user_output_tokens_per_second": default}
+        if users:
+            limits["user_output_tokens_per_second"] = users
+        harness = make_scheduler(
+            tiny_model_path, limits=limits, is_async=is_async, **kwargs
+        )
+        harness.scheduler.use_limiter(
+            CountingLimiter(default, users, clock=harness.clock)
+        )
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.drain()
+        limiter = harness.scheduler.output_rate_limiter
+        dispatched = Counter(d.user for d in harness.dispatches if d.samples)
+        assert +limiter.net == +dispatched
+
+
+def assert_bound(times_ns: list[int], rate: float) -> None:
+    """At most (W + 0.1) * rate + 1 tokens in every window of W seconds."""
+    times_ns = sorted(times_ns)
+    for i, start in enumerate(times_ns):
+        for j in range(i, len(times_ns)):
+            window = Fraction(times_ns[j] - start + 100 * MS, S)
+            assert j - i + 1 <= window * Fraction(repr(rate)) + 1, (
+                f"{j - i + 1} tokens within {(times_ns[j] - start) / 1e6} ms "
+                f"at {rate} tok/s"
+            )
+
+
+# ----- semantics 1-4 ------------------------------------------------------
+
+
+def test_only_output_tokens_count(limited) -> None:
+    h = limited(10)
+    request = h.add("a", prompt_len=1500, max_tokens=3)
+    h.step(10 * MS)
+    # The whole 1,500-token prompt ran in one step and sampled one token.
+    assert h.dispatches[0].num_tokens == 1500 and h.dispatches[0].samples
+    h.run_until_done(10 * MS)
+    assert h.outputs[request.request_id] == [42, 42, 42]
+
+
+def test_one_budget_shared_by_all_streams_of_a_user(limited) -> None:
+    h = limited(10)
+    for _ in range(4):
+        h.add("a", max_tokens=1000)
+    for _ in range(200):  # 6 s of 30 ms steps
+        h.step(30 * MS)
+    sampled = h.sampled_at("a")
+    assert_bound(sampled, 10)
+    span_s = (sampled[-1] - sampled[0]) / S
+    assert len(sampled) - 1 >= 10 * span_s - 1  # the whole budget is used
+
+
+def test_throttled_requests_pause_and_finish_complete(limited) -> None:
+    h = limited(20)
+    full = [h.add("a", max_tokens=30) for _ in range(3)]
+    ends_at_eos = h.add("a", max_tokens=30, eos_at=9)
+    h.run_until_done(10 * MS)
+    for request in full:
+        assert h.outputs[request.request_id] == [42] * 30
+        assert h.finished[request.request_id] == "length"
+    assert h.outputs[ends_at_eos.request_id][-1] == h.eos_token_id
+    assert len(h.outputs[ends_at_eos.request_id]) == 10
+    assert h.finished[ends_at_eos.request_id] == "stop"
+    assert_bound(h.sampled_at("a"), 20)
+
+
+def test_a_throttled_user_does_not_slow_others(limited) -> None:
+    h = limited(5, {"fast": 10_000})
+    for _ in range(8):
+        h.add("slow", max_tokens=500)
+    fast = h.add("fast", max_tokens=100)
+    for _ in range(100):
+        h.step(10 * MS)
+    # The fast user's request samples in every step after its prefill.
+    assert len(h.sampled_by_request(fast.request_id)) == 100
+    assert_bound(h.sampled_at("slow"), 5)
+
+
+def test_requests_without_a_user_share_the_anonymous_budget(limited) -> None:
+    h = limited(10)
+    for _ in range(3):
+        h.add(None, max_tokens=200)
+    h.add("x", extra_args={"output_rate_user": 5}, max_tokens=200)  # malformed
+    for _ in range(200):
+        h.step(20 * MS)
+    assert set(h.users.values()) == {"__anonymous__"}
+    anonymous = [d.time_ns for d in h.dispatches if d.samples]
+    assert_bound(anonymous, 10)  # the malformed name fell back to anonymous
+
+
+# ----- charging -------------------------------------------------------------
+
+
+def test_prefill_chunks_are_free_and_the_last_one_pays(limited) -> None:
+    h = limited(10, max_num_batched_tokens=64)
+    request = h.add("a", prompt_len=200, max_tokens=2)
+    for _ in range(4):
+        h.step(10 * MS)
+    chunks = [d for d in h.dispatches if d.request_id == request.request_id]
+    assert [d.num_tokens for d in chunks] == [64, 64, 64, 8]
+    assert [d.samples for d in chunks] == [False, False, False, True]
+    assert h.scheduler.output_rate_limiter.net["a"] == 1
+
+
+def test_tokens_charged_to_undispatched_requests_are_refunded(limited) -> None:
+    # 12 KV blocks: the requests cannot all grow; vLLM preempts and the
+    # allocation failures must not cost budget (checked by the fixture).
+    h = limited(1000, num_blocks=12)
+    for _ in range(6):
+        h.add("a", prompt_len=30, max_tokens=40)
+    h.run_until_done(5 * MS)
+    assert all(h.finished[r] == "length" for r in h.outputs)
+    assert any(h.scheduler.requests.get(r) is None for r in h.outputs)
+
+
+def test_a_refused_user_is_asked_once_per_step(limited) -> None:
+    h = limited(1)
+    for _ in range(50):
+        h.add("a", max_tokens=100)
+    h.add("b", max_tokens=100)
+    for _ in range(10):
+        h.step(10 * MS)
+    limiter = h.scheduler.output_rate_limiter
+    # One reservation per user per step, however many requests it has.
+    assert limiter.calls["a"] <= h.steps
+    assert limiter.calls["b"] <= h.steps
+
+
+# ----- prefill without budget -----------------------------------------------
+
+
+def test_chunked_prefill_advances_up_to_the_sampling_position(limited) -> None:
+    h = limited(2)
+    h.add("a", max_tokens=1)  # spends the burst
+    h.add("a", max_tokens=1)
+    h.step(1 * MS)
+    late = h.add("a", prompt_len=100, max_tokens=1)
+    h.step(1 * MS)
+    first = [d for d in h.dispatches if d.request_id == late.request_id]
+    assert [(d.num_tokens, d.samples) for d in first] == [(99, False)]
+    h.run_until_done(10 * MS)
+    chunks = [d for d in h.dispatches if d.request_id == late.request_id]
+    assert [(d.num_tokens, d.samples) for d in chunks] == [(99, False), (1, True)]
+    assert chunks[1].time_ns - chunks[0].time_ns >= 400 * MS
+
+
+def test_without_chunked_prefill_the_whole_prefill_waits(limited) -> None:
+    h = limited(2, enable_chunked_prefill=False)
+    h.add("a", max_tokens=1)
+    h.add("a", max_tokens=1)
+    h.step(1 * MS)
+    late = h.add("a", prompt_len=100, max_tokens=1)
+    h.run_until_done(10 * MS)
+    chunks = [d for d in h.dispatches if d.request_id == late.request_id]
+    assert [(d.num_tokens, d.samples) for d in chunks] == [(100, True)]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_throttled_waiting_request_does_not_block_others(
+    limited, chunked: bool
+) -> None:
+    h = limited(1, enable_chunked_prefill=chunked)
+    h.add("a", max_tokens=1)
+    h.step(1 * MS)  # user a's budget is spent
+    # A one-token prompt can only run by sampling, even with chunked prefill.
+    blocked = h.add("a", prompt_len=1, max_tokens=1)
+    behind = h.add("b", max_tokens=1)
+    h.step(1 * MS)
+    scheduled = {d.request_id for d in h.dispatches if d.step == h.steps}
+    assert behind.request_id in scheduled
+    assert blocked.request_id not in scheduled
+    h.run_until_done(10 * MS)
+    assert h.outputs[blocked.request_id] == [42]
+
+
+# ----- residency and active slots --------------------------------------------
+
+
+def test_throttled_requests_stay_resident_and_free_their_active_slot(
+    limited,
+) -> None:
+    h = limited(1, {"b": 1000}, max_num_seqs=8, max_num_active_seqs=2)
+    a1, a2 = h.add("a", max_tokens=50), h.add("a", max_tokens=50)
+    h.step(1 * MS)
+    h.step(1 * MS)  # a's burst is spent; both a requests are throttled
+    blocks_before = h.scheduler.kv_cache_manager.get_block_ids(a1.request_id)
+    b = h.add("b", max_tokens=5)
+    h.step(1 * MS)
+    scheduler = h.scheduler
+    assert b in scheduler.running and b.request_id in scheduler.requests
+    assert {a1, a2} <= set(scheduler.running)  # still resident
+    assert scheduler.kv_cache_manager.get_block_ids(a1.request_id) == blocks_before
+    assert {d.request_id for d in h.dispatches if d.step == h.steps} == {
+        b.request_id
+    }
+    assert scheduler.max_num_active_reqs == 2  # restored after the step
+
+
+def test_max_num_seqs_still_bounds_resident_requests(limited) -> None:
+    h = limited(1, max_num_seqs=4, max_num_active_seqs=2)
+    for _ in range(10):
+        h.add("a", max_tokens=20)
+    for _ in range(50):
+        h.step(5 * MS)
+        assert len(h.scheduler.running) <= 4
+        active = [d for d in h.dispatches if d.step == h.steps]
+        assert len(active) <= 2
+
+
+def test_active_slots_are_shared_fairly_between_users(limited) -> None:
+    # Everyone may sample 2 tokens per 10 ms step, but only 3 requests may
+    # be active per step. Users must share those 3 slots, not streams: the
+    # user with 6 streams would otherwise take 2 slots (its whole budget)
+    # and leave the other two users half a slot each.
+    h = limited(200, max_num_seqs=16, max_num_active_seqs=3)
+    for _ in range(6):
+        h.add("many", max_tokens=2000)
+    h.add("one", max_tokens=2000)
+    h.add("two", max_tokens=2000)
+    for _ in range(100):  # until everyone is resident and budgets settle
+        h.step(10 * MS)
+    assert len(h.scheduler.running) == 8
+    start = len(h.dispatches)
+    for _ in range(100):
+        h.step(10 * MS)
+    served = Counter(d.user for d in h.dispatches[start:])
+    for user in ("many", "one", "two"):
+        assert 90 <= served[user] <= 110, served
+
+
+def test_streams_of_one_user_take_turns(limited) -> None:
+    h = limited(10)
+    streams = [h.add("a", max_tokens=1000) for _ in range(4)]
+    for _ in range(400):  # 12 s of 30 ms steps
+        h.step(30 * MS)
+    for request in streams:
+        times = h.sampled_by_request(request.request_id)
+        # 2.5 tok/s each, +-1 token, over every 4-second window.
+        for start in range(2 * S, 8 * S, 100 * MS):
+            lo, hi = times[0] + start, times[0] + start + 4 * S
+            count = sum(lo <= t < hi for t in times)
+            assert 9 <= count <= 11, (request.request_id, start, count)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_throttled_requests_are_preempted_first(limited, policy: str) -> None:
+    # Each request grows to 6 blocks; 16 blocks cannot hold all five.
+    h = limited(1, {"b": 1000}, num_blocks=16, policy=policy)
+    throttled = [h.add("a", prompt_len=32, max_tokens=60) for _ in range(2)]
+    for _ in range(3):
+        h.step(1 * MS)
+    growing = [h.add("b", prompt_len=32, max_tokens=60) for _ in range(3)]
+    preempted: list[str] = []
+    for _ in range(60):
+        output = h.step(1 * MS)
+        preempted += sorted(output.preempted_req_ids)
+        if preempted:
+            break
+    # The first victims of KV pressure are a's throttled requests.
+    assert preempted and set(preempted) <= {r.request_id for r in throttled}
+    assert all(r in h.scheduler.running for r in growing)
+    h.run_until_done(20 * MS)
+    assert all(len(h.outputs[r.request_id]) == 60 for r in throttled + growing)
+
+
+def test_priority_policy_prefers_throttled_only_within_a_priority(limited) -> None:
+    # a (throttled) has the better priority; b's worse-priority requests are
+    # preempted first, as stock vLLM would.
+    h = limited(1, {"b": 1000}, num_blocks=16, policy="priority")
+    throttled = [
+        h.add("a", prompt_len=32, max_tokens=60, priority=0) for _ in range(2)
+    ]
+    for _ in range(3):
+        h.step(1 * MS)
+    for _ in range(3):
+        h.add("b", prompt_len=32, max_tokens=60, priority=5)
+    preempted: list[str] = []
+    for _ in range(60):
+        preempted += sorted(h.step(1 * MS).preempted_req_ids)
+    assert preempted
+    assert not set(preempted) & {r.request_id for r in throttled}
+    h.run_until_done(20 * MS)
+
+
+# ----- the engine loop ------------------------------------------------------
+
+
+def test_idle_wait_until_the_next_token_is_due(limited) -> None:
+    h = limited(10)
+    h.add("a", max_tokens=100)
+    h.step(1 * MS)
+    h.step(1 * MS)  # burst spent: 2 tokens
+    output = h.step(1 * MS)
+    scheduler = h.scheduler
+    assert output.total_num_scheduled_tokens == 0
+    due = scheduler.output_rate_limiter.ready_at_ns("a")
+    expected = min(0.05, (due - h.clock.now_ns) / 1e9)
+    assert scheduler.output_rate_idle_wait_s() == pytest.approx(expected)
+    assert 0 < scheduler.output_rate_idle_wait_s() <= 0.05
+    h.add("b", max_tokens=100)
+    h.step(1 * MS)  # b runs: the engine must not wait
+    assert scheduler.output_rate_idle_wait_s() == 0
+
+
+def test_stock_behaviour_when_limits_never_bind(
+    tiny_model_path: str, is_async: bool, limited
+) -> None:
+    def workload(h: SchedulerHarness) -> list[tuple[int, str, int, bool]]:
+        for i in range(12):
+            h.add(f"user-{i % 3}", prompt_len=5 + 37 * i % 300, max_tokens=20 + i)
+        h.run_until_done(1 * MS)
+        return [(d.step, d.request_id, d.num_tokens, d.samples) for d in h.dispatches]
+
+    stock = make_scheduler(
+        tiny_model_path, limits=None, is_async=is_async, max_num_batched_tokens=256
+    )
+    ours = limited(1e6, max_num_batched_tokens=256)
+    assert workload(ours) == workload(stock)
+
+
+def test_memory_of_idle_users_is_released(tiny_model_path: str) -> None:
+    clock = FakeClock()
+    h = make_scheduler(
+        tiny_model_path,
+        limits={"default_user_output_tokens_per_second": 100},
+        clock=clock,
+    )
+    for i in range(300):
+        h.add(f"user-{i}", max_tokens=1)
+    h.run_until_done(50 * MS)
+    for _ in range(300):
+        h.step(50 * MS)
+    assert len(h.scheduler.output_rate_limiter) == 0
