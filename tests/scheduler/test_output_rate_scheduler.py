@@ -248,9 +248,7 @@ def test_throttled_requests_stay_resident_and_free_their_active_slot(
     assert b in scheduler.running and b.request_id in scheduler.requests
     assert {a1, a2} <= set(scheduler.running)  # still resident
     assert scheduler.kv_cache_manager.get_block_ids(a1.request_id) == blocks_before
-    assert {d.request_id for d in h.dispatches if d.step == h.steps} == {
-        b.request_id
-    }
+    assert {d.request_id for d in h.dispatches if d.step == h.steps} == {b.request_id}
     assert scheduler.max_num_active_reqs == 2  # restored after the step
 
 
@@ -325,9 +323,7 @@ def test_priority_policy_prefers_throttled_only_within_a_priority(limited) -> No
     # a (throttled) has the better priority; b's worse-priority requests are
     # preempted first, as stock vLLM would.
     h = limited(1, {"b": 1000}, num_blocks=16, policy="priority")
-    throttled = [
-        h.add("a", prompt_len=32, max_tokens=60, priority=0) for _ in range(2)
-    ]
+    throttled = [h.add("a", prompt_len=32, max_tokens=60, priority=0) for _ in range(2)]
     for _ in range(3):
         h.step(1 * MS)
     for _ in range(3):

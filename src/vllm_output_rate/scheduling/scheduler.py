@@ -44,7 +44,8 @@ from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
 from vllm_output_rate.scheduling.step_budget import StepBudget
 
-logger = init_logger(__name__)
+# Under the "vllm" logger so that vLLM's logging configuration shows it.
+logger = init_logger("vllm.output_rate")
 
 # Longest idle wait of the engine loop while every runnable request is
 # throttled: short enough to notice other asynchronous readiness (grammar

@@ -1,0 +1,103 @@
+"""The command-line flags that switch per-user output rate limiting on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from vllm_output_rate.config import (
+    ADDITIONAL_CONFIG_KEY,
+    DEFAULT_FLAG,
+    FILE_FLAG,
+    USERS_FLAG,
+    OutputRateConfigError,
+    OutputRateSettings,
+    merge_settings,
+)
+from vllm_output_rate.limiter import validate_rate
+
+GROUP_TITLE = "OutputRateLimit"
+
+
+def _rate_arg(text: str) -> float:
+    try:
+        return validate_rate(float(text), DEFAULT_FLAG)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _users_arg(text: str) -> dict[str, Any]:
+    try:
+        merge_settings(default_rate=1, user_rates=text)  # validates names and rates
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.loads(text)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the plugin's flags to vLLM's parser (once)."""
+    if DEFAULT_FLAG in parser._option_string_actions:
+        return  # a parser built twice in one process
+    group = parser.add_argument_group(
+        GROUP_TITLE,
+        "Per-user output-token rate limits inside vLLM's scheduler "
+        "(vllm-output-rate plugin). Off unless "
+        f"{DEFAULT_FLAG} is given. Users are named per request by "
+        "vllm_xargs.output_rate_user; requests without it share the "
+        "'__anonymous__' budget.",
+    )
+    group.add_argument(
+        DEFAULT_FLAG,
+        type=_rate_arg,
+        default=None,
+        metavar="TOK_PER_S",
+        help="Enable limiting: every user not listed otherwise may receive this "
+        "many output tokens per second, shared by all of that user's requests "
+        "and paced evenly (GCRA, 100 ms burst).",
+    )
+    group.add_argument(
+        USERS_FLAG,
+        type=_users_arg,
+        default=None,
+        metavar="JSON",
+        help='Per-user limits as a JSON object, e.g. \'{"user-a": 100, '
+        '"user-b": 500}\'. Overrides the limits file.',
+    )
+    group.add_argument(
+        FILE_FLAG,
+        default=None,
+        metavar="FILE",
+        help="JSON or YAML file with default_user_output_tokens_per_second and "
+        "user_output_tokens_per_second, for large user tables.",
+    )
+
+
+def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | None:
+    """Merge the flags over settings given in ``--additional-config``.
+
+    Precedence, lowest first: limits file, --additional-config, flags.
+    """
+    config_file = getattr(args, "output_rate_config", None)
+    default_rate = getattr(args, "default_user_output_tokens_per_second", None)
+    user_rates = getattr(args, "user_output_tokens_per_second", None)
+    if config_file is None and default_rate is None and user_rates is None:
+        return None
+    base = OutputRateSettings.from_additional_config(
+        getattr(args, "additional_config", None)
+    )
+    if base is not None:
+        config_file = config_file or base.config_file
+        default_rate = default_rate if default_rate is not None else base.default_rate
+        user_rates = {**base.user_rates, **(user_rates or {})}
+    return merge_settings(
+        config_file=config_file, default_rate=default_rate, user_rates=user_rates
+    )
+
+
+def store_in_additional_config(
+    additional_config: dict[str, Any] | None, settings: OutputRateSettings
+) -> dict[str, Any]:
+    merged = dict(additional_config or {})
+    merged[ADDITIONAL_CONFIG_KEY] = settings.to_additional_config()
+    return merged
