@@ -77,6 +77,7 @@ class SchedulerHarness:
     # request id -> 0-based output index at which the model emits EOS
     eos_at: dict[str, int] = field(default_factory=dict)
     steps: int = 0
+    preemptions: int = 0
     _pending: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -134,6 +135,7 @@ class SchedulerHarness:
         self.clock.advance(advance_ns)
         output = self.scheduler.schedule()
         self.steps += 1
+        self.preemptions += len(output.preempted_req_ids)
         sampling = set()
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]

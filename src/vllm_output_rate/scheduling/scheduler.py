@@ -76,6 +76,8 @@ class OutputRateMixin:
     max_num_running_reqs: int
     max_num_active_reqs: int
     hash_block_size: int
+    block_size: int
+    kv_cache_manager: Any
 
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)  # type: ignore[call-arg]
@@ -289,12 +291,28 @@ class OutputRateMixin:
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):  # type: ignore[misc]
             return False
-        # A request whose first chunk may have to sample cannot be held back by
-        # one position; let it wait in the queue (skipped, order kept) rather
-        # than stop the scan for everyone behind it.
-        return not self._may_only_run_by_sampling(request) or self._budget.has_budget(
-            _user_of(request)
+        if self._budget.has_budget(_user_of(request)):
+            return True
+        # The user has no budget, so this request could at most prefill up to
+        # its sampling position. Leave it in the queue (skipped, order kept)
+        # whenever admitting it could stop vLLM's scan for everyone behind
+        # it, or would only repeat work:
+        # - its first chunk may have to sample (nothing to prefill ahead);
+        # - it was preempted for KV space, which it would take again just to
+        #   wait;
+        # - its prompt does not fit in the free KV blocks (vLLM ends the scan
+        #   at a failed allocation).
+        return not (
+            self._may_only_run_by_sampling(request)
+            or request.status == RequestStatus.PREEMPTED
+            or self._blocks_for(request.num_tokens) > self._num_free_kv_blocks()
         )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _num_free_kv_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def _may_only_run_by_sampling(self, request: Request) -> bool:
         if not self._chunked_prefill:
