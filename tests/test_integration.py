@@ -13,7 +13,6 @@ import time
 from importlib.metadata import entry_points
 
 import pytest
-from scheduler_harness import make_scheduler
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.exceptions import VLLMValidationError
@@ -30,6 +29,7 @@ from vllm_output_rate.integration.compat import (
     check_vllm_version,
 )
 from vllm_output_rate.integration.engine_setup import ASYNC_SCHEDULER, SYNC_SCHEDULER
+from vllm_output_rate.tools.scheduler_sim import make_scheduler
 
 FLAG = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"

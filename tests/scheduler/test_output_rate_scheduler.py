@@ -14,9 +14,13 @@ from collections import Counter
 from fractions import Fraction
 
 import pytest
-from scheduler_harness import FakeClock, SchedulerHarness, make_scheduler
 
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.tools.scheduler_sim import (
+    FakeClock,
+    SchedulerHarness,
+    make_scheduler,
+)
 
 MS = 1_000_000
 S = 1_000_000_000

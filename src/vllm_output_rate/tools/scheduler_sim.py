@@ -1,5 +1,7 @@
 """Drive vLLM's real V1 scheduler and KV cache manager without a model.
 
+Used by the scheduler-level tests and the scheduler benchmarks.
+
 The engine configuration is built the way ``vllm serve`` builds it (through
 ``EngineArgs.create_engine_config`` on the tiny local model), the scheduler is
 vLLM's own class (or ours), and only the model runner is replaced by
