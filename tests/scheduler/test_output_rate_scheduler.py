@@ -468,3 +468,44 @@ def test_a_simulated_minute_of_mixed_traffic(limited) -> None:
         # Demand always exceeds the limit: nobody is starved.
         assert len(in_minute) >= 0.85 * rate * 60, (user, rate, len(in_minute))
     assert h.preemptions > 0  # KV pressure was real
+
+
+def test_update_from_output_never_touches_the_limiter(limited) -> None:
+    h = limited(10)
+    for _ in range(3):
+        h.add("a", max_tokens=20)
+    limiter = h.scheduler.output_rate_limiter
+    calls = []
+    original = h.scheduler.update_from_output
+
+    def watched(*args, **kwargs):
+        before = sum(limiter.calls.values()), +limiter.net
+        result = original(*args, **kwargs)
+        calls.append(before == (sum(limiter.calls.values()), +limiter.net))
+        return result
+
+    h.scheduler.update_from_output = watched
+    h.run_until_done(20 * MS)
+    assert calls and all(calls)
+
+
+def test_a_cancelled_step_is_not_refunded(limited) -> None:
+    h = limited(10)
+    request = h.add("a", max_tokens=50)
+    h.step(1 * MS)
+    h.step(1 * MS)
+    charged = h.scheduler.output_rate_limiter.net["a"]
+    assert charged == 2
+    h.abort(request.request_id)  # the client went away after dispatch
+    h.run_until_done(1 * MS)
+    assert h.scheduler.output_rate_limiter.net["a"] == charged
+
+
+def test_async_look_ahead_after_a_stop_is_charged(limited, is_async: bool) -> None:
+    h = limited(1000)
+    request = h.add("a", max_tokens=50, eos_at=4)
+    h.run_until_done(1 * MS)
+    assert len(h.outputs[request.request_id]) == 5
+    # Async scheduling dispatched one more step before it learnt of the stop;
+    # that token stays charged (an upper bound, never an undercount).
+    assert h.scheduler.output_rate_limiter.net["a"] == 5 + is_async
