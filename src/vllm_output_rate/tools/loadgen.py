@@ -130,6 +130,8 @@ class LoadSpec:
     return_token_ids: bool = True
 
     def __post_init__(self) -> None:
+        self.base_url = str(self.base_url)
+        self.users = list(self.users)
         if not self.users:
             raise ValueError("LoadSpec.users is empty")
         seen: set[str | None] = set()
@@ -137,19 +139,23 @@ class LoadSpec:
             if user.name is not None and (
                 not isinstance(user.name, str) or not user.name
             ):
-                raise ValueError(f"user name must be a non-empty string or None, "
-                                 f"got {user.name!r}")
+                raise ValueError(
+                    f"user name must be a non-empty string or None, got {user.name!r}"
+                )
             if user.name in seen:
                 raise ValueError(f"user {user.label} is listed twice")
             seen.add(user.name)
             if int(user.streams) != user.streams or user.streams < 1:
-                raise ValueError(f"user {user.label}: streams must be an integer "
-                                 f">= 1, got {user.streams!r}")
+                raise ValueError(
+                    f"user {user.label}: streams must be an integer "
+                    f">= 1, got {user.streams!r}"
+                )
             if user.limit is not None and not (
                 math.isfinite(user.limit) and user.limit > 0
             ):
-                raise ValueError(f"user {user.label}: limit must be > 0 tokens/s, "
-                                 f"got {user.limit!r}")
+                raise ValueError(
+                    f"user {user.label}: limit must be > 0 tokens/s, got {user.limit!r}"
+                )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.duration_s > 0:
@@ -237,7 +243,9 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         """Completed: HTTP 200, no error, and a finish_reason was received."""
-        return self.error is None and self.status == 200 and self.finish_reason is not None
+        return (
+            self.error is None and self.status == 200 and self.finish_reason is not None
+        )
 
     @property
     def ttft_s(self) -> float | None:
@@ -254,7 +262,7 @@ class RequestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["chunks"] = [[round(t, 6), n] for t, n in self.chunks]
+        d["chunks"] = [[t, n] for t, n in self.chunks]
         return d
 
     @classmethod
@@ -691,9 +699,8 @@ class _Run:
                 if choice.get("finish_reason") is not None:
                     record.finish_reason = choice["finish_reason"]
         if record.finish_reason is None:
-            record.error = (
-                "stream ended without a finish_reason"
-                + ("" if done else " (connection closed before [DONE])")
+            record.error = "stream ended without a finish_reason" + (
+                "" if done else " (connection closed before [DONE])"
             )
 
     def snapshot(self, done: bool = False) -> ProgressSnapshot:
@@ -719,7 +726,9 @@ class _Run:
         )
 
 
-async def preflight(client: httpx.AsyncClient, base_url: str, model: str | None) -> None:
+async def preflight(
+    client: httpx.AsyncClient, base_url: str, model: str | None
+) -> None:
     """Check that the server answers; if it lists models, that ``model`` is one.
 
     Raises LoadError naming the URL that could not be reached.
@@ -744,7 +753,9 @@ async def preflight(client: httpx.AsyncClient, base_url: str, model: str | None)
             )
 
 
-async def list_models(base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[str]:
+async def list_models(
+    base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> list[str]:
     """Model ids from ``GET {base_url}/v1/models``; LoadError if unreachable."""
     base = normalize_base_url(base_url)
     url = f"{base}/v1/models"
@@ -767,7 +778,9 @@ async def list_models(base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> 
         raise LoadError(f"{url} returned an unexpected body: {exc}") from exc
 
 
-def list_models_sync(base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[str]:
+def list_models_sync(
+    base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> list[str]:
     return asyncio.run(list_models(base_url, timeout_s))
 
 
@@ -797,7 +810,9 @@ async def run_load(
         max_connections=total_streams + 4,
         max_keepalive_connections=total_streams + 4,
     )
-    async with httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=timeout, limits=limits
+    ) as client:
         await preflight(client, base, spec.model)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run = _Run(spec, client, time.monotonic())
