@@ -121,8 +121,8 @@ class TestSpanRate:
         assert span_rate(1.0, 1.0, 5) is None  # all at one instant
 
     def test_bound_allowance(self):
-        assert bound_allowance(10.0, 20.0) == pytest.approx(10.1 * 20 + 1)
-        assert bound_allowance(0.0, 50.0) == pytest.approx(6.0)
+        assert bound_allowance(10.0, 20.0) == pytest.approx(10.35 * 20 + 1)
+        assert bound_allowance(0.0, 50.0) == pytest.approx(18.5)
 
 
 class TestBinRates:
@@ -176,8 +176,8 @@ class TestSummarize:
         assert a.last_token_s == pytest.approx(3.0)
         assert a.span_s == pytest.approx(2.0)
         assert a.rate_tok_s == pytest.approx(20 / 2.0)
-        # 21 tokens over 2 s at 10 tok/s: allowance 2.1 * 10 + 1 = 22.
-        assert a.bound_allowance == pytest.approx(22.0)
+        # 21 tokens over 2 s at 10 tok/s: allowance 2.35 * 10 + 1 = 24.5.
+        assert a.bound_allowance == pytest.approx(24.5)
         assert a.bound_ok is True
         # TTFT: 0.5 s and 1.8 s.
         assert a.ttft_p50_ms == pytest.approx(1150.0)
@@ -189,10 +189,10 @@ class TestSummarize:
         assert b.series_tok_s == [5.0, 0.0, 0.0, 0.0]
 
     def test_bound_exceeded_just_past_the_allowance(self):
-        # 1 s span at 10 tok/s: allowance 12; 12 tokens pass, 13 do not.
+        # 1 s span at 10 tok/s: allowance 14.5; 14 tokens pass, 15 do not.
         user = UserLoad("a", 1, limit=10.0)
-        ok = record("a", 0.0, [i / 11 for i in range(12)])
-        bad = record("a", 0.0, [i / 12 for i in range(13)])
+        ok = record("a", 0.0, [i / 13 for i in range(14)])
+        bad = record("a", 0.0, [i / 14 for i in range(15)])
         assert summarize_user(user, [ok], 1.0).bound_ok is True
         assert summarize_user(user, [bad], 1.0).bound_ok is False
 

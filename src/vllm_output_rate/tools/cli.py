@@ -354,6 +354,28 @@ register(
 )
 
 
+def _configure_demo(p: argparse.ArgumentParser) -> None:
+    from vllm_output_rate.tools.demo import add_arguments
+
+    add_arguments(p)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from vllm_output_rate.tools.demo import run
+
+    return run(args)
+
+
+register(
+    Subcommand(
+        name="demo",
+        help="noisy-neighbour demo: the same load on stock vLLM, then with limits",
+        configure=_configure_demo,
+        run=_run_demo,
+    )
+)
+
+
 # --------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------

@@ -134,6 +134,20 @@ def plot_rates(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
+    # Scale to the data: a limit far above every measured rate (an
+    # "unlimited in practice" user) would flatten every curve to the floor.
+    peak = max(
+        (v for r in panels.values() for u in r.users for v in u.series_tok_s),
+        default=0.0,
+    )
+    shown_limits = [
+        u.limit
+        for r in panels.values()
+        for u in r.users
+        if u.limit is not None and u.limit <= 1.5 * peak
+    ]
+    y_top = 1.1 * max([peak, *shown_limits]) or 1.0
+
     fig = Figure(figsize=(6.5 * len(panels), 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
@@ -154,7 +168,7 @@ def plot_rates(
                 )
             else:
                 ax.plot([], [], color=colour, label=_legend_label(u))
-            if u.limit is not None:
+            if u.limit is not None and u.limit in shown_limits:
                 ax.axhline(u.limit, color=colour, linestyle="--", linewidth=1)
         if panel_title:
             ax.set_title(panel_title)
@@ -163,7 +177,7 @@ def plot_rates(
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize="small")
     axes[0].set_ylabel(f"output tokens/s ({_bin_text(panels)} bins)")
-    axes[0].set_ylim(bottom=0)
+    axes[0].set_ylim(bottom=0, top=y_top)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return path
