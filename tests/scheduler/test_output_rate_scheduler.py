@@ -509,3 +509,22 @@ def test_async_look_ahead_after_a_stop_is_charged(limited, is_async: bool) -> No
     # Async scheduling dispatched one more step before it learnt of the stop;
     # that token stays charged (an upper bound, never an undercount).
     assert h.scheduler.output_rate_limiter.net["a"] == 5 + is_async
+
+
+def test_the_dispatch_log_records_every_charged_token(
+    tiny_model_path: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_output_rate.scheduling.dispatch_log import ENV, read_dispatch_log
+
+    log = tmp_path / "dispatch.csv"
+    monkeypatch.setenv(ENV, str(log))
+    h = make_scheduler(
+        tiny_model_path, limits={"default_user_output_tokens_per_second": 10}
+    )
+    for _ in range(3):
+        h.add("a", max_tokens=5)
+    h.add("b", max_tokens=5)
+    h.run_until_done(10 * MS)
+    h.scheduler._dispatch_log.flush()
+    logged = read_dispatch_log(str(log))
+    assert logged == {user: h.sampled_at(user) for user in ("a", "b")}

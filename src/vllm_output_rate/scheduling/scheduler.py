@@ -41,6 +41,7 @@ from vllm_output_rate.config import OutputRateConfigError, OutputRateSettings
 from vllm_output_rate.identity import user_or_anonymous
 from vllm_output_rate.integration.compat import check_supported_config
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
 from vllm_output_rate.scheduling.step_budget import StepBudget
 
@@ -107,6 +108,7 @@ class OutputRateMixin:
         self._last_step_idle = False
         # Resident requests skipped for lack of budget in the last step.
         self.output_rate_throttled: list[Request] = []
+        self._dispatch_log = DispatchLog.from_env()
         logger.info(
             "Per-user output rate limiting on: default %s tok/s, %d user "
             "override(s), --max-num-seqs %d, --max-num-active-seqs %d",
@@ -211,11 +213,14 @@ class OutputRateMixin:
         """The single refund point, plus bookkeeping for the next step."""
         scheduled = output.num_scheduled_tokens
         undispatched: Counter[str] = Counter()
+        now_ns = self.output_rate_limiter.now_ns() if self._dispatch_log else 0
         for request_id, request in self._charged.items():
             user = _user_of(request)
             if request_id in scheduled:
                 setattr(request, LAST_SERVED_ATTR, self._step)
                 self._user_last_served[user] = self._step
+                if self._dispatch_log:
+                    self._dispatch_log.record(now_ns, user)
             else:
                 undispatched[user] += 1
         self._wakeup_ns = self._budget.settle(undispatched)

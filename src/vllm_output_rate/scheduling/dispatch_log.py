@@ -1,0 +1,52 @@
+"""An engine-side record of every dispatched sampling step (no vLLM import).
+
+Client-side timing sees tokens after HTTP buffering; the scheduler knows when
+it dispatched each user's token. With ``VLLM_OUTPUT_RATE_DISPATCH_LOG=FILE``
+the scheduler appends one CSV line ``monotonic_ns,user`` per dispatched token,
+written in batches so a step pays one list append per token. Benchmarks read
+it to report the gap between a user's consecutive tokens.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import TextIO
+
+ENV = "VLLM_OUTPUT_RATE_DISPATCH_LOG"
+FLUSH_EVERY = 4096
+
+
+class DispatchLog:
+    def __init__(self, path: str) -> None:
+        self._file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._pending: list[str] = []
+        atexit.register(self.flush)
+
+    @classmethod
+    def from_env(cls) -> DispatchLog | None:
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    def record(self, time_ns: int, user: str) -> None:
+        self._pending.append(f"{time_ns},{user}\n")
+        if len(self._pending) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._file.writelines(self._pending)
+            self._pending.clear()
+        self._file.flush()
+
+
+def read_dispatch_log(path: str) -> dict[str, list[int]]:
+    """user -> sorted dispatch times (ns)."""
+    times: dict[str, list[int]] = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            time_ns, _, user = line.rstrip("\n").partition(",")
+            times.setdefault(user, []).append(int(time_ns))
+    for values in times.values():
+        values.sort()
+    return times
