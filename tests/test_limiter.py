@@ -36,14 +36,20 @@ def assert_window_bound(admitted_at: list[int], rate: float) -> None:
     """Every window that starts and ends at an admitted token respects the bound.
 
     Those windows are the tightest: any other window holds no more tokens than
-    the one shrunk to its first and last admitted token.
+    the one shrunk to its first and last admitted token. With
+    f(k) = k - rate * t_k, the window from token i to token j holds
+    j - i + 1 tokens and the bound reads f(j) - f(i) <= burst * rate, so one
+    pass with a running minimum checks all of them, in exact integers.
     """
-    for i, start in enumerate(admitted_at):
-        for j in range(i, len(admitted_at)):
-            count = j - i + 1
-            assert count <= window_bound(admitted_at[j] - start, rate), (
-                f"{count} tokens in {admitted_at[j] - start} ns at {rate} tok/s"
-            )
+    fraction = Fraction(repr(rate))
+    p, q = fraction.numerator, fraction.denominator
+    allowed = p * BURST_NS  # burst * rate, scaled by q * 1e9
+    lowest = None
+    for k, t in enumerate(admitted_at):
+        f = k * q * NS_PER_SECOND - p * t
+        if lowest is not None:
+            assert f - lowest <= allowed, f"bound broken at token {k} ({rate} tok/s)"
+        lowest = f if lowest is None else min(lowest, f)
 
 
 RATES = st.sampled_from([0.1, 0.5, 1, 2.5, 3.7, 10, 33.3, 100, 1234.5, 5000])
@@ -275,3 +281,43 @@ def test_take_up_to_equals_repeated_try_take(
         extra = batched.take_up_to("u", unused)
         batched.refund("u", extra)
         assert batched.ready_at_ns("u") == one_by_one.ready_at_ns("u")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    old=RATES,
+    new=RATES,
+    taken=st.integers(1, 60),
+    advance=st.integers(0, 2 * NS_PER_SECOND),
+)
+def test_a_rate_change_grants_no_burst_and_keeps_the_due_time(
+    old: float, new: float, taken: int, advance: int
+) -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(old, clock=clock)
+    for _ in range(taken):
+        limiter.try_take("u")
+    clock.advance(advance)
+    due_before = limiter.ready_at_ns("u")
+    limiter.update_rates(user_rates={"u": new})
+    assert limiter.rate_of("u") == new
+    # The next token is due no earlier than before (rounding may add < 1 ns
+    # per unit of the new scale), and from then on the new spacing applies.
+    assert due_before <= limiter.ready_at_ns("u") <= due_before + 1
+    clock.now_ns = max(clock.now_ns, limiter.ready_at_ns("u"))
+    admitted = []
+    for _ in range(400):
+        while limiter.try_take("u"):
+            admitted.append(clock.now_ns)
+        clock.advance(10 * MS)
+    assert_window_bound(admitted, new)
+
+
+def test_rate_updates_are_all_or_nothing() -> None:
+    limiter = OutputRateLimiter(10, {"a": 5}, clock=FakeClock())
+    with pytest.raises(ValueError, match="-1"):
+        limiter.update_rates(default_rate=20, user_rates={"b": 7, "c": -1})
+    assert limiter.default_rate == 10 and limiter.user_rates == {"a": 5}
+    limiter.update_rates(default_rate=20, user_rates={"b": 7}, remove_users=["a"])
+    assert limiter.default_rate == 20 and limiter.user_rates == {"b": 7}
+    assert limiter.rate_of("a") == 20

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -104,6 +104,52 @@ class OutputRateLimiter:
     def rate_of(self, user: str) -> float:
         rate = self._overrides.get(user, self._default)
         return rate.scale * NS_PER_SECOND / rate.interval
+
+    @property
+    def default_rate(self) -> float:
+        return self._default.scale * NS_PER_SECOND / self._default.interval
+
+    @property
+    def user_rates(self) -> dict[str, float]:
+        return {user: self.rate_of(user) for user in self._overrides}
+
+    def update_rates(
+        self,
+        *,
+        default_rate: float | None = None,
+        user_rates: Mapping[str, float] | None = None,
+        remove_users: Iterable[str] = (),
+    ) -> None:
+        """Change limits in place, all or nothing.
+
+        Every user keeps the absolute time its next token is due (its TAT),
+        re-expressed in the new rate's units and rounded up, so a change
+        grants no burst; tokens after that one follow the new spacing. Bad
+        input raises ValueError and changes nothing.
+        """
+        new_default = (
+            self._default
+            if default_rate is None
+            else _ScaledRate.from_rate(
+                validate_rate(default_rate, "default rate"), self._burst_ns
+            )
+        )
+        overrides = dict(self._overrides)
+        for user in remove_users:
+            validate_user(user)
+            overrides.pop(user, None)
+        for user, rate in (user_rates or {}).items():
+            validate_user(user)
+            overrides[user] = _ScaledRate.from_rate(
+                validate_rate(rate, f"rate of user {user!r}"), self._burst_ns
+            )
+        for user, tat in self._tat.items():
+            old = self._overrides.get(user, self._default)
+            new = overrides.get(user, new_default)
+            if new is not old:
+                due_ns = -(-tat // old.scale)  # ceil: never earlier than before
+                self._tat[user] = due_ns * new.scale
+        self._default, self._overrides = new_default, overrides
 
     def try_take(self, user: str) -> bool:
         """Admit one output token for ``user`` now, or refuse and change nothing."""

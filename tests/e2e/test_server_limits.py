@@ -105,17 +105,25 @@ def test_each_user_gets_its_limit_and_no_more(limited_server, model_name) -> Non
 def test_a_fast_user_runs_at_full_speed_beside_throttled_ones(
     limited_server, model_name
 ) -> None:
-    result = load(
+    alone = load(
+        limited_server,
+        model_name,
+        [UserLoad("fast", 1, 5000)],
+        max_tokens=50,
+        duration_s=2,
+    )
+    beside = load(
         limited_server,
         model_name,
         [UserLoad("slow", 4, 25), UserLoad("fast", 1, 5000)],
         max_tokens=50,
         duration_s=4,
     )
-    fast = result.user("fast")
-    # Hundreds of tokens per second on this CPU: far above every small limit.
-    assert fast.rate_tok_s > 150, fast
-    assert_limited(result, "slow", 25)
+    assert_limited(beside, "slow", 25)
+    # Measured side by side on the same server, so CPU noise mostly cancels:
+    # throttled neighbours leave the fast user most of its solo speed.
+    ratio = beside.user("fast").rate_tok_s / alone.user("fast").rate_tok_s
+    assert ratio >= 0.5, (alone.user("fast"), beside.user("fast"))
 
 
 def test_long_prompts_prefix_hits_short_answers_and_eos(
