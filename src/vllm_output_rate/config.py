@@ -187,3 +187,41 @@ def merge_settings(
         user_rates=merged_users,
         config_file=str(config_file) if config_file else None,
     )
+
+
+REMOVE_KEY = "remove_users"
+
+
+@dataclass(frozen=True)
+class LimitsUpdate:
+    """A validated change to live limits (see ``parse_limits_update``)."""
+
+    default_rate: float | None = None
+    user_rates: Mapping[str, float] = field(default_factory=dict)
+    remove_users: tuple[str, ...] = ()
+
+
+def parse_limits_update(payload: object) -> LimitsUpdate:
+    """Validate an admin request body, or raise naming the bad field.
+
+    Body: ``{"default_user_output_tokens_per_second": 80,
+    "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"]}``,
+    every key optional.
+    """
+    if not isinstance(payload, Mapping):
+        raise OutputRateConfigError(f"expected a JSON object, got {payload!r}")
+    unknown = set(payload) - {DEFAULT_KEY, USERS_KEY, REMOVE_KEY}
+    if unknown:
+        raise OutputRateConfigError(
+            f"unknown keys {sorted(unknown)}; "
+            f"expected {[DEFAULT_KEY, USERS_KEY, REMOVE_KEY]}"
+        )
+    default = payload.get(DEFAULT_KEY)
+    remove = payload.get(REMOVE_KEY, [])
+    if not isinstance(remove, list):
+        raise OutputRateConfigError(f"{REMOVE_KEY}: expected a list, got {remove!r}")
+    return LimitsUpdate(
+        default_rate=None if default is None else _rate(default, DEFAULT_KEY),
+        user_rates=_user_rates(payload.get(USERS_KEY, {}), USERS_KEY),
+        remove_users=tuple(validate_user_name(u, REMOVE_KEY) for u in remove),
+    )

@@ -528,3 +528,42 @@ def test_the_dispatch_log_records_every_charged_token(
     h.scheduler._dispatch_log.flush()
     logged = read_dispatch_log(str(log))
     assert logged == {user: h.sampled_at(user) for user in ("a", "b")}
+
+
+def test_a_live_rate_change_applies_from_the_next_step(limited) -> None:
+    h = limited(50)
+    for _ in range(3):
+        h.add("a", max_tokens=2000)
+    for _ in range(100):
+        h.step(10 * MS)
+    changed_at = h.clock.now_ns
+    limits = h.scheduler.output_rate_update_limits(
+        {"user_output_tokens_per_second": {"a": 5}}
+    )
+    assert limits["user_output_tokens_per_second"] == {"a": 5}
+    for _ in range(400):
+        h.step(10 * MS)
+    before = [t for t in h.sampled_at("a") if t < changed_at]
+    after = [t for t in h.sampled_at("a") if t >= changed_at]
+    assert_bound(before, 50)
+    assert_bound(after, 5)  # no burst granted by the change
+    assert len(after) >= 5 * 3.9
+    with pytest.raises(ValueError, match="got -2"):
+        h.scheduler.output_rate_update_limits(
+            {"user_output_tokens_per_second": {"b": -2}}
+        )
+    assert h.scheduler.output_rate_limits()["user_output_tokens_per_second"] == {"a": 5}
+
+
+def test_statistics_keep_label_cardinality_bounded(limited) -> None:
+    h = limited(1000, {"named": 1000})
+    h.add("named", max_tokens=3)
+    h.add(None, max_tokens=2)
+    for i in range(50):
+        h.add(f"stranger-{i}", max_tokens=1)
+    h.run_until_done(1 * MS)
+    users = h.scheduler.output_rate_snapshot()["users"]
+    assert set(users) == {"named", "__anonymous__", "__other__"}
+    assert users["named"]["tokens_admitted"] == 3
+    assert users["__other__"]["tokens_admitted"] == 50
+    assert users["named"]["gap_count"] == 2

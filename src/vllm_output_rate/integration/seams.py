@@ -12,6 +12,9 @@ Wrapped (in the process where vLLM calls them):
 * ``EngineArgs.from_cli_args``: carries the flags into ``additional_config``.
 * ``EngineArgs.create_engine_config``: validates and selects our scheduler.
 * ``EngineCore.post_step``: waits on the input queue while all is throttled.
+* ``EngineCore.output_rate_rpc`` (added): the engine-side method that the
+  HTTP plugin reaches through vLLM's utility-call channel
+  (``call_utility_async``), to read statistics and change limits.
 * ``ChatCompletionRequest/CompletionRequest/ResponsesRequest
   .to_sampling_params`` and ``.to_beam_search_params``: HTTP 400 for a
   malformed ``output_rate_user`` and for beam search.
@@ -28,10 +31,16 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from vllm_output_rate.integration import api_validation, cli_flags, engine_loop
+from vllm_output_rate.integration import (
+    api_validation,
+    cli_flags,
+    engine_loop,
+    engine_rpc,
+)
 from vllm_output_rate.integration.engine_setup import apply_output_rate
 
 _MARK = "__vllm_output_rate_wrapped__"
+RPC_METHOD = engine_rpc.RPC_METHOD
 
 # (module, attribute path, parameter names the wrapper relies on)
 EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
@@ -51,6 +60,11 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ),
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ["self"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
+    (
+        "vllm.v1.engine.core_client",
+        "AsyncMPClient.call_utility_async",
+        ["self", "method"],
+    ),
 ]
 REQUEST_CLASSES: list[tuple[str, str]] = [
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
@@ -161,6 +175,8 @@ def install() -> None:
 
         return wrapper
 
+    if not hasattr(EngineCore, RPC_METHOD):
+        setattr(EngineCore, RPC_METHOD, engine_rpc.output_rate_rpc)
     _wrap(EngineArgs, "add_cli_args", add_cli_args)
     _wrap(EngineArgs, "from_cli_args", from_cli_args)
     _wrap(EngineArgs, "create_engine_config", create_engine_config)

@@ -37,12 +37,19 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_output_rate.config import OutputRateConfigError, OutputRateSettings
+from vllm_output_rate.config import (
+    DEFAULT_KEY,
+    USERS_KEY,
+    OutputRateConfigError,
+    OutputRateSettings,
+    parse_limits_update,
+)
 from vllm_output_rate.identity import user_or_anonymous
 from vllm_output_rate.integration.compat import check_supported_config
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
+from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 
 # Under the "vllm" logger so that vLLM's logging configuration shows it.
@@ -109,6 +116,7 @@ class OutputRateMixin:
         # Resident requests skipped for lack of budget in the last step.
         self.output_rate_throttled: list[Request] = []
         self._dispatch_log = DispatchLog.from_env()
+        self.output_rate_stats = OutputRateStats(settings.user_rates)
         logger.info(
             "Per-user output rate limiting on: default %s tok/s, %d user "
             "override(s), --max-num-seqs %d, --max-num-active-seqs %d",
@@ -213,17 +221,25 @@ class OutputRateMixin:
         """The single refund point, plus bookkeeping for the next step."""
         scheduled = output.num_scheduled_tokens
         undispatched: Counter[str] = Counter()
-        now_ns = self.output_rate_limiter.now_ns() if self._dispatch_log else 0
+        served: Counter[str] = Counter()
+        now_ns = self.output_rate_limiter.now_ns()
         for request_id, request in self._charged.items():
             user = _user_of(request)
             if request_id in scheduled:
                 setattr(request, LAST_SERVED_ATTR, self._step)
                 self._user_last_served[user] = self._step
+                served[user] += 1
                 if self._dispatch_log:
                     self._dispatch_log.record(now_ns, user)
             else:
                 undispatched[user] += 1
         self._wakeup_ns = self._budget.settle(undispatched)
+        self.output_rate_stats.record_step(
+            now_ns,
+            served,
+            undispatched,
+            Counter(_user_of(r) for r in self.output_rate_throttled),
+        )
         self._last_step_idle = output.total_num_scheduled_tokens == 0
         self._engaged = bool(self._budget.refused_users) or (
             len(self.running) > self.output_rate_active_cap
@@ -234,6 +250,7 @@ class OutputRateMixin:
             self._user_last_served = {
                 u: s for u, s in self._user_last_served.items() if u in live
             }
+            self.output_rate_stats.forget_users(live)
 
     # ----- hooks called by vLLM's schedule() -----------------------------
 
@@ -333,7 +350,29 @@ class OutputRateMixin:
             and (request.num_tokens - 1) % self.hash_block_size == 0
         )
 
-    # ----- for the engine loop and observers ------------------------------
+    # ----- for the engine loop, operators and observers -------------------
+
+    def output_rate_limits(self) -> dict[str, Any]:
+        limiter = self.output_rate_limiter
+        return {DEFAULT_KEY: limiter.default_rate, USERS_KEY: limiter.user_rates}
+
+    def output_rate_update_limits(self, payload: object) -> dict[str, Any]:
+        """Apply an admin change from the next step on; all or nothing."""
+        update = parse_limits_update(payload)
+        self.output_rate_limiter.update_rates(
+            default_rate=update.default_rate,
+            user_rates=update.user_rates,
+            remove_users=update.remove_users,
+        )
+        self.output_rate_stats.set_named_users(self.output_rate_limiter.user_rates)
+        logger.info("Output rate limits changed: %s", self.output_rate_limits())
+        return self.output_rate_limits()
+
+    def output_rate_snapshot(self) -> dict[str, Any]:
+        return {
+            "limits": self.output_rate_limits(),
+            "users": self.output_rate_stats.snapshot(),
+        }
 
     def output_rate_idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.

@@ -1,0 +1,118 @@
+"""The ``vllm.endpoint_plugins`` entry: metrics and the admin endpoint.
+
+vLLM loads endpoint plugins only when they are named in ``VLLM_PLUGINS``;
+since that variable then filters general plugins too, enable both:
+``VLLM_PLUGINS=output_rate,output_rate_http``.
+
+* Metrics: while limiting is on, per-user counters are polled from the
+  engine once a second and exposed on vLLM's own ``/metrics``.
+* Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
+  ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
+  ``Authorization: Bearer <key>``. Without the key the routes do not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+from argparse import Namespace
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.datastructures import State
+
+from vllm_output_rate.config import OutputRateConfigError, parse_limits_update
+from vllm_output_rate.integration import engine_setup
+from vllm_output_rate.integration.engine_rpc import RPC_METHOD
+from vllm_output_rate.integration.metrics import OutputRateCollector
+
+ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
+POLL_INTERVAL_S = 1.0
+PREFIX = "/v1/output_rate"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status)
+
+
+class OutputRateHttpPlugin:
+    name = "output_rate_http"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self._admin_key = os.environ.get(ADMIN_KEY_ENV) or None
+        self._engine: Any = None
+        self._collector = OutputRateCollector()
+        self._poller: asyncio.Task | None = None
+
+    # ----- vLLM's EndpointPlugin protocol -------------------------------
+
+    def attach_router(self, app: FastAPI) -> None:
+        if self._admin_key is None:
+            return  # the admin endpoint is off without a key
+        router = APIRouter(prefix=PREFIX)
+        router.add_api_route("/limits", self._get_limits, methods=["GET"])
+        router.add_api_route("/limits", self._put_limits, methods=["PUT"])
+        router.add_api_route("/stats", self._get_stats, methods=["GET"])
+        app.include_router(router)
+
+    async def init_state(
+        self, engine_client: Any, state: State, args: Namespace
+    ) -> None:
+        if engine_client is None or not engine_setup.limiting_enabled:
+            return
+        self._engine = engine_client
+        self._collector.register()
+        self._poller = asyncio.create_task(self._poll_metrics())
+
+    # ----- engine access ------------------------------------------------
+
+    async def _call(self, op: str, payload: Any = None) -> Any:
+        return await self._engine.engine_core.call_utility_async(
+            RPC_METHOD, op, payload
+        )
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a missed poll keeps old values
+                self._collector.update(await self._call("snapshot"))
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    # ----- admin routes -------------------------------------------------
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.encode(), (self._admin_key or "").encode()
+        )
+
+    async def _guard(self, request: Request) -> JSONResponse | None:
+        if not self._authorized(request):
+            return _error(401, "a valid admin key is required")
+        if self._engine is None:
+            return _error(409, "per-user output rate limiting is not enabled")
+        return None
+
+    async def _get_limits(self, request: Request) -> JSONResponse:
+        if refusal := await self._guard(request):
+            return refusal
+        return JSONResponse(await self._call("limits"))
+
+    async def _get_stats(self, request: Request) -> JSONResponse:
+        if refusal := await self._guard(request):
+            return refusal
+        return JSONResponse(await self._call("snapshot"))
+
+    async def _put_limits(self, request: Request) -> JSONResponse:
+        if refusal := await self._guard(request):
+            return refusal
+        try:
+            payload = await request.json()
+            parse_limits_update(payload)  # refuse bad input before the engine
+        except (ValueError, OutputRateConfigError) as exc:
+            return _error(400, str(exc))
+        return JSONResponse(await self._call("update", payload))

@@ -1,0 +1,137 @@
+"""Operating the plugin on a live server: metrics, live limit changes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from vllm_output_rate.tools.loadgen import LoadSpec, UserLoad, run_load_sync
+from vllm_output_rate.tools.server import running_server
+
+pytestmark = pytest.mark.e2e
+
+KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: str):
+    args = [
+        "--default-user-output-tokens-per-second",
+        "40",
+        "--user-output-tokens-per-second",
+        '{"user-a": 60, "user-b": 30}',
+    ]
+    env = {
+        "VLLM_PLUGINS": "output_rate,output_rate_http",
+        "VLLM_OUTPUT_RATE_ADMIN_KEY": KEY,
+    }
+    with running_server(tiny_model_path, args, env=env) as url:
+        yield url
+
+
+def metrics(url: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:output_rate_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def complete(url: str, model: str, user: str | None, max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": "hi",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    if user:
+        body["vllm_xargs"] = {"output_rate_user": user}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_per_user_metrics_on_vllms_metrics_endpoint(server, tiny_model_path) -> None:
+    before = metrics(server)
+    complete(server, tiny_model_path, "user-b", 12)
+    complete(server, tiny_model_path, None, 5)
+    for i in range(5):  # five distinct unnamed users share one label
+        complete(server, tiny_model_path, f"visitor-{i}", 2)
+    time.sleep(2.5)  # the API server polls the engine once a second
+    after = metrics(server)
+
+    def delta(user: str) -> float:
+        name = f'vllm:output_rate_tokens_admitted_total{{user="{user}"}}'
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("user-b") == 12
+    assert delta("__anonymous__") == 5
+    assert delta("__other__") == 10
+    assert not any("visitor" in name for name in after)
+    assert after['vllm:output_rate_limit_tokens_per_second{user="user-b"}'] == 30
+    assert after['vllm:output_rate_token_gap_seconds_count{user="user-b"}'] >= 11
+
+
+def test_the_admin_endpoint_needs_the_key_and_refuses_bad_input(server) -> None:
+    limits_url = server + "/v1/output_rate/limits"
+    assert httpx.get(limits_url).status_code == 401
+    assert (
+        httpx.get(limits_url, headers={"Authorization": "Bearer nope"}).status_code
+        == 401
+    )
+    before = httpx.get(limits_url, headers=ADMIN).json()
+    assert before["user_output_tokens_per_second"]["user-a"] == 60
+    for bad in (
+        {"user_output_tokens_per_second": {"user-a": 10, "user-c": -1}},
+        {"default_user_output_tokens_per_second": "fast"},
+        {"remove_users": "user-a"},
+        {"unknown": 1},
+    ):
+        response = httpx.put(limits_url, json=bad, headers=ADMIN)
+        assert response.status_code == 400, (bad, response.text)
+    response = httpx.put(limits_url, content=b"{not json", headers=ADMIN)
+    assert response.status_code == 400
+    # Nothing was partly applied.
+    assert httpx.get(limits_url, headers=ADMIN).json() == before
+
+
+def test_lowering_a_rate_mid_stream_takes_effect(server, tiny_model_path) -> None:
+    limits_url = server + "/v1/output_rate/limits"
+    spec = LoadSpec(
+        base_url=server,
+        model=tiny_model_path,
+        users=[UserLoad("user-a", 2, None)],
+        max_tokens=30,
+        duration_s=8,
+    )
+    change_at = 4.0
+    timer = threading.Timer(
+        change_at,
+        httpx.put,
+        args=(limits_url,),
+        kwargs={
+            "json": {"user_output_tokens_per_second": {"user-a": 10}},
+            "headers": ADMIN,
+        },
+    )
+    timer.start()
+    try:
+        result = run_load_sync(spec)
+    finally:
+        timer.join()
+        httpx.put(
+            limits_url,
+            json={"user_output_tokens_per_second": {"user-a": 60}},
+            headers=ADMIN,
+        )
+    assert result.ok
+    # Tokens per 1-second bin: about 60 before the change, about 10 after.
+    series = result.user("user-a").series_tok_s
+    early, late = series[1:3], series[5:8]
+    assert min(early) >= 40, series
+    assert max(late) <= 10 + 0.1 * 10 + 3, series
