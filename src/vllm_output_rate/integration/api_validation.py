@@ -12,11 +12,13 @@ from typing import Any
 from vllm_output_rate.config import OutputRateConfigError
 from vllm_output_rate.identity import USER_FIELD, user_from_extra_args
 from vllm_output_rate.integration import engine_setup
+from vllm_output_rate.integration.trusted_identity import apply_verified_user
 
 
 def check_sampling_params(params: Any) -> None:
     if not engine_setup.limiting_enabled:
         return
+    apply_verified_user(params)  # trusted identity, when configured
     try:
         user_from_extra_args(getattr(params, "extra_args", None))
     except OutputRateConfigError as exc:

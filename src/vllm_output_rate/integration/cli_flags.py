@@ -15,6 +15,7 @@ from vllm_output_rate.config import (
     OutputRateSettings,
     merge_settings,
 )
+from vllm_output_rate.integration.trusted_identity import API_KEYS_FLAG
 from vllm_output_rate.limiter import validate_rate
 
 GROUP_TITLE = "OutputRateLimit"
@@ -65,6 +66,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         '"user-b": 500}\'. Overrides the limits file.',
     )
     group.add_argument(
+        API_KEYS_FLAG,
+        default=None,
+        metavar="FILE",
+        help="Trusted identity: YAML/JSON file mapping each user to the SHA-256 "
+        "digests of its API keys. Generation requests must then carry "
+        "'Authorization: Bearer KEY' and the key's user replaces any "
+        "output_rate_user. Needs VLLM_PLUGINS=output_rate,output_rate_http; "
+        "do not combine with --api-key.",
+    )
+    group.add_argument(
         FILE_FLAG,
         default=None,
         metavar="FILE",
@@ -93,6 +104,31 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
     return merge_settings(
         config_file=config_file, default_rate=default_rate, user_rates=user_rates
     )
+
+
+def check_api_keys_option(args: argparse.Namespace, limiting: bool) -> None:
+    """Refuse a keys file that would be silently ignored."""
+    import os
+
+    from vllm_output_rate.api_keys import ApiKeys
+
+    keys_file = getattr(args, "output_rate_api_keys", None)
+    if not keys_file:
+        return
+    if not limiting:
+        raise OutputRateConfigError(f"{API_KEYS_FLAG} needs {DEFAULT_FLAG}")
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is None or "output_rate_http" not in plugins.split(","):
+        raise OutputRateConfigError(
+            f"{API_KEYS_FLAG} needs the HTTP plugin: start with "
+            "VLLM_PLUGINS=output_rate,output_rate_http"
+        )
+    if getattr(args, "api_key", None):
+        raise OutputRateConfigError(
+            f"{API_KEYS_FLAG} replaces --api-key (both read the Authorization "
+            "header); give only one"
+        )
+    ApiKeys.load(keys_file)  # fail at start-up, not on the first request
 
 
 def store_in_additional_config(

@@ -6,6 +6,8 @@ since that variable then filters general plugins too, enable both:
 
 * Metrics: while limiting is on, per-user counters are polled from the
   engine once a second and exposed on vLLM's own ``/metrics``.
+* Trusted identity: with ``--output-rate-api-keys FILE``, users come from
+  verified API keys (see trusted_identity.py).
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import os
 from argparse import Namespace
 from typing import Any
@@ -24,11 +27,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
+from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.config import OutputRateConfigError, parse_limits_update
 from vllm_output_rate.integration import engine_setup
 from vllm_output_rate.integration.engine_rpc import RPC_METHOD
 from vllm_output_rate.integration.metrics import OutputRateCollector
+from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
 
+logger = logging.getLogger("vllm.output_rate")
 ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
 POLL_INTERVAL_S = 1.0
 PREFIX = "/v1/output_rate"
@@ -47,10 +53,13 @@ class OutputRateHttpPlugin:
         self._engine: Any = None
         self._collector = OutputRateCollector()
         self._poller: asyncio.Task | None = None
+        self.api_keys: ApiKeys | None = None  # read by the middleware
 
     # ----- vLLM's EndpointPlugin protocol -------------------------------
 
     def attach_router(self, app: FastAPI) -> None:
+        # Passes everything through until init_state loads a keys file.
+        app.add_middleware(TrustedIdentityMiddleware, keys_holder=self)
         if self._admin_key is None:
             return  # the admin endpoint is off without a key
         router = APIRouter(prefix=PREFIX)
@@ -64,6 +73,12 @@ class OutputRateHttpPlugin:
     ) -> None:
         if engine_client is None or not engine_setup.limiting_enabled:
             return
+        keys_file = getattr(args, "output_rate_api_keys", None)
+        if keys_file:
+            self.api_keys = ApiKeys.load(keys_file)
+            logger.info(
+                "Trusted identity on: users come from the API keys in %s", keys_file
+            )
         self._engine = engine_client
         self._collector.register()
         self._poller = asyncio.create_task(self._poll_metrics())

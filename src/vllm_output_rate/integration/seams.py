@@ -148,6 +148,10 @@ def install() -> None:
     def from_cli_args(original: Callable) -> Callable:
         def wrapper(cls: Any, args: Any) -> Any:
             settings = cli_flags.settings_from_namespace(args)
+            additional = getattr(args, "additional_config", None) or {}
+            cli_flags.check_api_keys_option(
+                args, limiting=settings is not None or "output_rate" in additional
+            )
             if settings is not None:
                 # On the namespace too: extra API-server processes rebuild
                 # their EngineArgs from it before this plugin is loaded.

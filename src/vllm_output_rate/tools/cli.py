@@ -376,6 +376,30 @@ register(
 )
 
 
+def _configure_hash_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("key", nargs="?", help="the API key (default: read stdin)")
+
+
+def _run_hash_key(args: argparse.Namespace) -> int:
+    from vllm_output_rate.api_keys import digest
+
+    key = args.key if args.key is not None else sys.stdin.readline().strip()
+    if not key:
+        return _fail("an empty API key cannot be used", 2)
+    print(digest(key))
+    return 0
+
+
+register(
+    Subcommand(
+        name="hash-key",
+        help="print the digest of an API key for --output-rate-api-keys files",
+        configure=_configure_hash_key,
+        run=_run_hash_key,
+    )
+)
+
+
 # --------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------

@@ -40,7 +40,7 @@ DEFAULT_ARGS: tuple[str, ...] = (
     "1024",
 )
 DEFAULT_ENV: dict[str, str] = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-START_TIMEOUT_S = 180.0
+START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
 LOG_TAIL_LINES = 50
 # The free port we pick can be taken by someone else before vLLM binds it.
