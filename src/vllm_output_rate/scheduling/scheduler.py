@@ -48,6 +48,7 @@ from vllm_output_rate.identity import user_or_anonymous
 from vllm_output_rate.integration.compat import check_supported_config
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
+from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
 from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
@@ -117,6 +118,11 @@ class OutputRateMixin:
         self.output_rate_throttled: list[Request] = []
         self._dispatch_log = DispatchLog.from_env()
         self.output_rate_stats = OutputRateStats(settings.user_rates)
+        self._limits_file = (
+            LimitsFileWatcher(settings.config_file, logger.warning)
+            if settings.config_file
+            else None
+        )
         logger.info(
             "Per-user output rate limiting on: default %s tok/s, %d user "
             "override(s), --max-num-seqs %d, --max-num-active-seqs %d",
@@ -150,6 +156,9 @@ class OutputRateMixin:
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         self._step += 1
+        if self._limits_file and self._limits_file.poll(self.output_rate_limiter):
+            self.output_rate_stats.set_named_users(self.output_rate_limiter.user_rates)
+            logger.info("Limits file reloaded: %s", self.output_rate_limits())
         self._budget.begin_step()
         self._charged.clear()
         self._active_in_step = 0

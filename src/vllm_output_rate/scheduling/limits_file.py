@@ -1,0 +1,73 @@
+"""Reload the limits file when it changes (no vLLM import).
+
+The scheduler asks at most once a second whether the file's modification
+time changed; on a change it applies the file's default and user limits,
+and users that left the file fall back to the default. A file that fails to
+parse is logged and ignored: the limits in force stay as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from vllm_output_rate.config import OutputRateConfigError, load_limits_file
+from vllm_output_rate.limiter import OutputRateLimiter
+
+CHECK_INTERVAL_S = 1.0
+
+
+class LimitsFileWatcher:
+    def __init__(
+        self,
+        path: str,
+        on_error: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = path
+        self._on_error = on_error
+        self._clock = clock
+        self._next_check = clock() + CHECK_INTERVAL_S
+        self._mtime = self._read_mtime()
+        _, users = self._load() or (None, {})
+        self._file_users = set(users)
+
+    def _read_mtime(self) -> float | None:
+        try:
+            return os.stat(self._path).st_mtime_ns
+        except OSError:
+            return None
+
+    def _load(self) -> tuple[float | None, dict[str, float]] | None:
+        try:
+            return load_limits_file(self._path)
+        except OutputRateConfigError as exc:
+            self._on_error(f"limits file not reloaded: {exc}")
+            return None
+
+    def poll(self, limiter: OutputRateLimiter) -> bool:
+        """Apply the file if it changed since the last look; True if applied."""
+        now = self._clock()
+        if now < self._next_check:
+            return False
+        self._next_check = now + CHECK_INTERVAL_S
+        mtime = self._read_mtime()
+        if mtime is None or mtime == self._mtime:
+            return False
+        self._mtime = mtime
+        loaded = self._load()
+        if loaded is None:
+            return False
+        default, users = loaded
+        try:
+            limiter.update_rates(
+                default_rate=default,
+                user_rates=users,
+                remove_users=self._file_users - set(users),
+            )
+        except ValueError as exc:
+            self._on_error(f"limits file not reloaded: {exc}")
+            return False
+        self._file_users = set(users)
+        return True
