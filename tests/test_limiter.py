@@ -11,20 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_output_rate.limiter import NS_PER_SECOND, OutputRateLimiter
+from vllm_output_rate.tools.fake_clock import FakeClock
 
 BURST_NS = 100_000_000
 MS = 1_000_000
-
-
-class FakeClock:
-    def __init__(self, now_ns: int = 0) -> None:
-        self.now_ns = now_ns
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def advance(self, ns: int) -> None:
-        self.now_ns += ns
 
 
 def window_bound(window_ns: int, rate: float, burst_ns: int = BURST_NS) -> Fraction:

@@ -49,6 +49,19 @@ def validate_user_name(user: object, where: str) -> str:
     return user
 
 
+def _check_object(
+    value: object, allowed: tuple[str, ...], where: str
+) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(f"{where}: expected an object, got {value!r}")
+    unknown = set(value) - set(allowed)
+    if unknown:
+        raise OutputRateConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; expected {list(allowed)}"
+        )
+    return value
+
+
 def _rate(value: object, where: str) -> float:
     try:
         return validate_rate(value, where)
@@ -100,14 +113,7 @@ class OutputRateSettings:
         if section is None:
             return None
         where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
-        if not isinstance(section, Mapping):
-            raise OutputRateConfigError(f"{where}: expected an object, got {section!r}")
-        unknown = set(section) - {DEFAULT_KEY, USERS_KEY, FILE_KEY}
-        if unknown:
-            raise OutputRateConfigError(
-                f"{where}: unknown keys {sorted(unknown)}; "
-                f"expected {[DEFAULT_KEY, USERS_KEY, FILE_KEY]}"
-            )
+        _check_object(section, (DEFAULT_KEY, USERS_KEY, FILE_KEY), where)
         return merge_settings(
             config_file=section.get(FILE_KEY),
             default_rate=section.get(DEFAULT_KEY),
@@ -138,14 +144,7 @@ def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
         raise OutputRateConfigError(f"{where}: not valid YAML/JSON: {exc}") from None
     if content is None:
         content = {}
-    if not isinstance(content, Mapping):
-        raise OutputRateConfigError(f"{where}: expected a mapping at the top level")
-    unknown = set(content) - {DEFAULT_KEY, USERS_KEY}
-    if unknown:
-        raise OutputRateConfigError(
-            f"{where}: unknown keys {sorted(unknown)}; "
-            f"expected {[DEFAULT_KEY, USERS_KEY]}"
-        )
+    _check_object(content, (DEFAULT_KEY, USERS_KEY), where)
     default = content.get(DEFAULT_KEY)
     return (
         None if default is None else _rate(default, f"{where}: {DEFAULT_KEY}"),
@@ -208,14 +207,9 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
     "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"]}``,
     every key optional.
     """
-    if not isinstance(payload, Mapping):
-        raise OutputRateConfigError(f"expected a JSON object, got {payload!r}")
-    unknown = set(payload) - {DEFAULT_KEY, USERS_KEY, REMOVE_KEY}
-    if unknown:
-        raise OutputRateConfigError(
-            f"unknown keys {sorted(unknown)}; "
-            f"expected {[DEFAULT_KEY, USERS_KEY, REMOVE_KEY]}"
-        )
+    payload = _check_object(
+        payload, (DEFAULT_KEY, USERS_KEY, REMOVE_KEY), "request body"
+    )
     default = payload.get(DEFAULT_KEY)
     remove = payload.get(REMOVE_KEY, [])
     if not isinstance(remove, list):

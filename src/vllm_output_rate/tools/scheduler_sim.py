@@ -36,20 +36,10 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.tools.fake_clock import FakeClock
 
 BLOCK_SIZE = 16
 SAMPLED_TOKEN = 42  # any id that is not EOS
-
-
-class FakeClock:
-    def __init__(self, now_ns: int = 1_000_000_000) -> None:
-        self.now_ns = now_ns
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def advance(self, ns: int) -> None:
-        self.now_ns += ns
 
 
 @dataclass
@@ -291,7 +281,7 @@ def make_scheduler(
         block_size=BLOCK_SIZE,
         log_stats=True,
     )
-    clock = clock or FakeClock()
+    clock = clock or FakeClock(1_000_000_000)
     if limits is not None:
         scheduler.use_limiter(
             OutputRateLimiter(
