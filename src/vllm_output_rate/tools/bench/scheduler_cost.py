@@ -3,12 +3,11 @@
 vLLM's real V1 scheduler and KV cache manager run without a model (see
 ``tools/scheduler_sim.py``): ``R`` resident requests spread round-robin over
 ``U`` users, prefilled first, then timed in a steady decode phase. Our
-scheduler is measured in three states, each held for the whole measurement by
-the fake clock (it advances 1 ms per step, far too little to refill a tiny
-budget):
+scheduler is measured in three states, each held for the whole measurement:
 
 * ``a``: no limit binds (every user may take 1e9 tok/s);
-* ``b``: every user is throttled (1e-3 tok/s, budget spent);
+* ``b``: every user is throttled (1e-3 tok/s: after its first token a user's
+  next one is due 1000 s later, long after the run);
 * ``c``: every other user is throttled, so half the requests decode.
 
 Stock vLLM has no notion of throttling, so every state is compared with the
@@ -19,12 +18,15 @@ by side and are stepped in rounds: each round takes one timed step of every
 scheduler, in a shuffled order. A ratio is the median over rounds of (ours /
 stock in the same round); a time is the median over rounds. Every timed step
 checks that it measured the claimed state (how many requests were dispatched
-and how many were skipped as throttled), and the limiter is a counting
-subclass, so that its calls per step are reported too.
+and how many were skipped as throttled, and that no throttled user's request
+ran). After the timed rounds, a few more steps count the limiter's calls.
 
 Usage::
 
     python -m vllm_output_rate.tools.bench.scheduler_cost [--quick] [--plot PATH]
+        [--json PATH] [--scheduler MODULE:CLASS]
+
+``--scheduler`` measures another class as "ours" (e.g. a candidate fix).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import logging
 import math
@@ -58,13 +61,13 @@ FULL_SIZES = (64, 256, 1024, 4096)
 QUICK_SIZES = (64, 256)
 USER_COUNTS = (1, 16, 256)
 # Timed rounds per R (each round steps every scheduler of that R once).
-FULL_ROUNDS = {64: 300, 256: 200, 1024: 100, 4096: 40}
+FULL_ROUNDS = {64: 400, 256: 300, 1024: 150, 4096: 60}
 QUICK_ROUNDS = {64: 60, 256: 40, 1024: 20, 4096: 10}
 SEED = 20240601
 
 HUGE_RATE = 1e9  # tok/s: never binds
-TINY_RATE = 1e-3  # tok/s: one token per 1000 s of fake clock
-STEP_NS = 1_000_000  # fake clock advance per step
+TINY_RATE = 1e-3  # tok/s: one token per 1000 s
+STEP_NS = 1_000_000  # the harness clock (warm-up limiter) advances per step
 PROMPT_MIN = 8
 PROMPT_SPREAD = 16  # prompt lengths 8..23, so block boundaries are spread out
 WARMUP_DECODE_STEPS = 3
@@ -75,7 +78,11 @@ FIVE_PERCENT = 1.05
 
 
 class CountingLimiter(OutputRateLimiter):
-    """The real limiter, counting how often the scheduler calls it.
+    """The real limiter, counting calls to its public methods.
+
+    Every accounting method counts, including any added later; ``now_ns`` (a
+    clock read the scheduler makes once per step for its statistics) does
+    not. A method that calls another counts both.
 
     Counting costs time itself, so the timed steps run the plain limiter and
     ``count_calls`` turns that very object (its state kept) into this class
@@ -95,21 +102,20 @@ class CountingLimiter(OutputRateLimiter):
         limiter.calls = Counter()
         return limiter
 
-    def take_up_to(self, user: str, wanted: int) -> int:
-        self.calls["take_up_to"] += 1
-        return super().take_up_to(user, wanted)
 
-    def refund(self, user: str, count: int = 1) -> None:
-        self.calls["refund"] += 1
-        super().refund(user, count)
+def _counted(name: str) -> Any:
+    def method(self: CountingLimiter, *args: Any, **kwargs: Any) -> Any:
+        self.calls[name] += 1
+        return getattr(super(CountingLimiter, self), name)(*args, **kwargs)
 
-    def ready_at_ns(self, user: str) -> int:
-        self.calls["ready_at_ns"] += 1
-        return super().ready_at_ns(user)
+    method.__name__ = name
+    return method
 
-    def cleanup_idle_users(self) -> int:
-        self.calls["cleanup_idle_users"] += 1
-        return super().cleanup_idle_users()
+
+NOT_COUNTED = frozenset({"now_ns"})
+for _name, _value in vars(OutputRateLimiter).items():
+    if not _name.startswith("_") and _name not in NOT_COUNTED and callable(_value):
+        setattr(CountingLimiter, _name, _counted(_name))
 
 
 @dataclass
@@ -211,7 +217,11 @@ def _check_state(subject: _Subject, output: Any, num_requests: int) -> None:
 
 
 def _make_subjects(
-    model_path: str, num_requests: int, user_counts: Sequence[int], rounds: int
+    model_path: str,
+    num_requests: int,
+    user_counts: Sequence[int],
+    rounds: int,
+    scheduler_cls: type | None = None,
 ) -> list[_Subject]:
     from vllm_output_rate.tools.scheduler_sim import BLOCK_SIZE, make_scheduler
 
@@ -249,7 +259,12 @@ def _make_subjects(
                 _Subject(
                     state,
                     users,
-                    make_scheduler(model_path, limits=limits, **common),
+                    make_scheduler(
+                        model_path,
+                        limits=limits,
+                        scheduler_cls=scheduler_cls,
+                        **common,
+                    ),
                     expect_scheduled=num_requests - per_user * len(throttled),
                     throttled_users=throttled,
                 )
@@ -312,8 +327,11 @@ def _measure_size(
     user_counts: Sequence[int],
     rounds: int,
     rng: random.Random,
+    scheduler_cls: type | None = None,
 ) -> list[_Subject]:
-    subjects = _make_subjects(model_path, num_requests, user_counts, rounds)
+    subjects = _make_subjects(
+        model_path, num_requests, user_counts, rounds, scheduler_cls
+    )
     for subject in subjects:
         _warm_up(subject, num_requests)
     # Like vLLM's engine after start-up: long-lived objects leave the GC's view.
@@ -428,11 +446,13 @@ def run(
     rounds: int | None = None,
     model_path: str | None = None,
     seed: int = SEED,
+    scheduler_cls: type | None = None,
 ) -> dict[str, Any]:
     """Measure every configuration and return the results as data.
 
     ``sizes`` (values of R), ``rounds`` (timed steps per scheduler) and
-    ``model_path`` default to the quick or full settings and the tiny model.
+    ``model_path`` default to the quick or full settings and the tiny model;
+    ``scheduler_cls`` defaults to ``OutputRateScheduler``.
     """
     import vllm
 
@@ -451,7 +471,9 @@ def run(
     for num_requests in sizes:
         n = rounds if rounds is not None else table.get(num_requests, 20)
         rounds_used[str(num_requests)] = n
-        subjects = _measure_size(model_path, num_requests, user_counts, n, rng)
+        subjects = _measure_size(
+            model_path, num_requests, user_counts, n, rng, scheduler_cls
+        )
         stock_row, size_rows = _rows_for_size(subjects, num_requests)
         stock_rows.append(stock_row)
         rows.extend(size_rows)
@@ -463,7 +485,7 @@ def run(
             "sizes": list(sizes),
             "user_counts": list(user_counts),
             "rounds": rounds_used,
-            "step_ns": STEP_NS,
+            "scheduler": _class_name(scheduler_cls),
             "vllm": vllm.__version__,
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
@@ -476,6 +498,19 @@ def run(
     }
 
 
+def _class_name(cls: type | None) -> str:
+    if cls is None:
+        return "vllm_output_rate.scheduling.scheduler:OutputRateScheduler"
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _load_class(spec: str) -> type:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise argparse.ArgumentTypeError(f"expected MODULE:CLASS, got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
 # ----- output ---------------------------------------------------------------
 
 
@@ -486,9 +521,11 @@ def plot(results: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     stock = sorted(results["stock"], key=lambda s: s["R"])
-    for ax, (state, title) in zip(axes, STATES.items(), strict=True):
+    for ax in axes[1:3]:
+        ax.sharey(axes[0])
+    for ax, (state, title) in zip(axes, STATES.items(), strict=False):
         ax.plot(
             [s["R"] for s in stock],
             [s["schedule_us"] for s in stock],
@@ -510,6 +547,24 @@ def plot(results: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         ax.set_xlabel("resident requests R")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    ratio_ax = axes[3]
+    for state in STATES:
+        for users in results["meta"]["user_counts"]:
+            points = sorted(
+                (r["R"], r["ratio"])
+                for r in results["rows"]
+                if r["state"] == state and r["U"] == users
+            )
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ratio_ax.plot(xs, ys, "-o", label=f"({state}) U={users}")
+    ratio_ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ratio_ax.axhline(FIVE_PERCENT, color="r", linestyle=":", linewidth=1)
+    ratio_ax.set_xscale("log", base=2)
+    ratio_ax.set_title("ours / stock (median of per-round ratios)")
+    ratio_ax.set_xlabel("resident requests R")
+    ratio_ax.grid(True, which="both", alpha=0.3)
+    ratio_ax.legend(fontsize=7, ncol=2)
     axes[0].set_ylabel("µs per schedule() (median)")
     fig.suptitle("Scheduler step cost: output-rate scheduler vs stock vLLM")
     fig.tight_layout()
@@ -534,7 +589,8 @@ def format_markdown(
         "",
         f"vLLM {meta['vllm']}, Python {meta['python']}, {meta['cpus']} CPU(s), "
         f"{'quick' if meta['quick'] else 'full'} run, "
-        f"{meta['elapsed_s']:.0f} s. Real V1 scheduler and KV cache manager, no "
+        f"{meta['elapsed_s']:.0f} s, ours = `{meta['scheduler']}`. "
+        "Real V1 scheduler and KV cache manager, no "
         "model; synchronous scheduling; R requests resident and decoding, spread "
         "round-robin over U users. Times are medians over rounds (timed steps per "
         "scheduler: "
@@ -605,11 +661,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG plot here")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results")
+    parser.add_argument(
+        "--scheduler",
+        metavar="MODULE:CLASS",
+        type=_load_class,
+        help="measure this scheduler class as ours (default OutputRateScheduler)",
+    )
     args = parser.parse_args(argv)
     # vLLM logs to stdout; keep stdout for the Markdown.
     logging.getLogger("vllm").setLevel(logging.WARNING)
     with contextlib.redirect_stdout(sys.stderr):
-        results = run(quick=args.quick)
+        results = run(quick=args.quick, scheduler_cls=args.scheduler)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(format_markdown(results, args.plot))
