@@ -452,40 +452,6 @@ def rate_until(result: LoadResult, user: str | None, until_s: float) -> float | 
     return (sum(n for _, n in chunks) - chunks[0][1]) / span
 
 
-def demand_rate(result: LoadResult, user: str | None, until_s: float) -> float | None:
-    """Client-side rate while the user had a request in flight: tokens after
-    the first chunk, up to ``until_s``, divided by the time between the
-    first and the last of those chunks during which at least one of the
-    user's requests was open. Leaves out the client's turnaround between one
-    request's end and the next one's start, when the user asks for nothing
-    (it matters for one-stream users only)."""
-    mine = [r for r in result.records if r.user == user]
-    chunks = sorted((t, n) for r in mine for t, n in r.chunks if t <= until_s)
-    if len(chunks) < 2:
-        return None
-    lo, hi = chunks[0][0], chunks[-1][0]
-    spans = sorted(
-        (max(lo, r.start_s), min(hi, r.end_s if r.end_s is not None else hi))
-        for r in mine
-    )
-    covered = 0.0
-    cur_start = cur_end = None
-    for a, b in spans:
-        if b <= a:
-            continue
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                covered += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        covered += cur_end - cur_start
-    if covered <= 0:
-        return None
-    return (sum(n for _, n in chunks) - chunks[0][1]) / covered
-
-
 def _median(values: Iterable[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -1200,7 +1166,10 @@ def format_isolation(results: dict[str, Any], figures_dir: Path, md_dir: Path) -
         "Stock vLLM gets the same load without limits. B's tokens/s is its "
         "first-to-last-token span rate; TTFT is per request, p50. A's rate is "
         "over B's run. On ours A's requests cannot finish at 10 tok/s over 32 "
-        "streams; the client cuts them shortly after B's run ends. "
+        "streams; the client cuts them shortly after B's run ends. TTFT is "
+        "timed by the client, so it includes the API server's HTTP path, which "
+        "on this machine often takes hundreds of ms for a lone stream on either "
+        "server; read the TTFT ratio with that in mind. "
         f"{r['rounds']} round(s), servers alternating; ratios are medians "
         "over rounds.",
         "",
@@ -1407,7 +1376,7 @@ def accuracy(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
         for (limit, streams), result in zip(batch, results, strict=True):
             name = acc_user(limit, streams)
             u = result.user(name)
-            client = demand_rate(result, name, duration)
+            client = rate_until(result, name, duration)
             rows[(limit, streams)] = {
                 "limit": limit,
                 "streams": streams,
@@ -1418,7 +1387,6 @@ def accuracy(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
                 "tokens": u.tokens_client,
                 "failed": u.requests_failed,
                 "client_rate": client,
-                "client_span_rate_to_deadline": rate_until(result, name, duration),
                 "client_ratio": client / limit if client else None,
                 "span_rate": u.rate_tok_s,
                 "span_ratio": u.rate_tok_s / limit if u.rate_tok_s else None,
@@ -1535,17 +1503,15 @@ def format_accuracy(results: dict[str, Any], figures_dir: Path, md_dir: Path) ->
         "decode one token per step, so the probe's rate is what each stream of "
         "a cell could have had: a cell's demand exceeds its limit, and the "
         f"target applies, when streams x probe rate >= {DEMAND_MARGIN:g} x limit. "
-        "**client** = tokens after the first chunk, counting chunks up to the "
-        "deadline (the tail, when streams finish one by one, is left out), "
-        "divided by the time from the first to the last of those chunks during "
-        "which the user had a request open (this leaves out the client's "
-        "turnaround between one request's end and its next request, when a "
-        "one-stream user asks for nothing); **span** = loadgen's figure: "
-        "(tokens - 1) / first-to-last token time over the whole run, gaps and "
-        "tail included; **engine** = the same from the scheduler's dispatch "
-        f"log, from the first dispatch + {ACC_SKIP_S:g} s (after the 100 ms "
-        "burst) to the deadline, gaps included. Gaps are between a user's "
-        "consecutive dispatched tokens "
+        "**client** = the client span rate up to the deadline: tokens after "
+        "the first chunk / first-to-last chunk time, counting chunks that "
+        "arrived before the load's deadline (the tail, when streams finish one "
+        "by one, is left out); **span** = loadgen's figure, (tokens - 1) / "
+        "first-to-last token time over the whole run, tail included; "
+        "**engine** = the scheduler's own count from its dispatch log, from "
+        f"the first dispatch + {ACC_SKIP_S:g} s (after the 100 ms burst) to the "
+        "deadline: the exact rate, free of HTTP delivery timing. Gaps are "
+        "between a user's consecutive dispatched tokens "
         "(engine clock; tokens dispatched in the same step have gap 0). The "
         "verdict uses the client rate rounded to two decimals, the target's "
         "precision.",
