@@ -10,7 +10,8 @@ Benchmarks, in the order they run:
 * ``scheduler_cost``: one scheduler step without a model, ours against stock
   (``tools/bench/scheduler_cost.py``; runs before any server starts);
 * ``throughput``, ``isolation``, ``idle``, ``accuracy``: real vLLM OpenAI
-  servers, stock against ours (``tools/bench/server_bench.py``).
+  servers, stock against ours (one module each in ``tools/bench/``, with
+  ``servers.py``, ``measure.py`` and ``report_format.py`` shared).
 
 Every figure is a ratio of measurements taken side by side in the same run.
 The report names the command, the machine, versions and date, each
@@ -33,20 +34,30 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.tools.bench import server_bench
-from vllm_output_rate.tools.bench.server_bench import (
-    SERVER_BENCHMARKS,
-    ServerPool,
-    jsonable,
-    log,
-    verdict,
-)
+from vllm_output_rate.tools.bench.accuracy import accuracy, format_accuracy
+from vllm_output_rate.tools.bench.idle import format_idle, idle
+from vllm_output_rate.tools.bench.isolation import format_isolation, isolation
+from vllm_output_rate.tools.bench.report_format import fmt, jsonable, verdict
+from vllm_output_rate.tools.bench.servers import ServerPool, log
+from vllm_output_rate.tools.bench.throughput import format_throughput, throughput
+
+# ----- registry of the server benchmarks -------------------------------------
+
+BenchFn = Callable[[ServerPool, bool], dict[str, Any]]
+FormatFn = Callable[[dict[str, Any], Path, Path], str]
+
+SERVER_BENCHMARKS: dict[str, tuple[BenchFn, FormatFn]] = {
+    "throughput": (throughput, format_throughput),
+    "isolation": (isolation, format_isolation),
+    "idle": (idle, format_idle),
+    "accuracy": (accuracy, format_accuracy),
+}
 
 ORDER = ("scheduler_cost", "throughput", "isolation", "idle", "accuracy")
 SERVERS_NEEDED: dict[str, set[str]] = {
@@ -299,7 +310,7 @@ def scheduler_cost_targets(
 def summary_rows(
     name: str, results: dict[str, Any]
 ) -> list[tuple[str, str, str, bool | None]]:
-    f = server_bench._fmt
+    f = fmt
     if name == "scheduler_cost":
         return scheduler_cost_targets(results)
     if name == "throughput":
