@@ -194,6 +194,20 @@ def test_a_moved_seam_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
         seams_module.verify_seams(api=False)
 
 
+def test_a_lost_prefill_chunk_flag_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The fast path counts sampled tokens from this flag after the step.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def update_after_schedule(self, scheduler_output) -> None:
+        self.finished_req_ids = set()
+
+    monkeypatch.setattr(Scheduler, "_update_after_schedule", update_after_schedule)
+    with pytest.raises(seams_module.SeamMovedError, match="is_prefill_chunk"):
+        seams_module.verify_seams(api=False)
+
+
 def test_http_validation_only_when_limiting_is_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

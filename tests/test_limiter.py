@@ -311,3 +311,32 @@ def test_rate_updates_are_all_or_nothing() -> None:
     limiter.update_rates(default_rate=20, user_rates={"b": 7}, remove_users=["a"])
     assert limiter.default_rate == 20 and limiter.user_rates == {"b": 7}
     assert limiter.rate_of("a") == 20
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rates=st.lists(RATES, min_size=1, max_size=5),
+    steps=st.lists(
+        st.tuples(st.integers(0, 300 * MS), st.lists(st.integers(0, 40), max_size=5)),
+        max_size=40,
+    ),
+)
+def test_take_many_equals_take_up_to_per_user(
+    rates: list[float], steps: list[tuple[int, list[int]]]
+) -> None:
+    users = {f"user-{i}": rate for i, rate in enumerate(rates)}
+    clock = FakeClock()
+    one_call = OutputRateLimiter(1.0, users, clock=clock)
+    per_user = OutputRateLimiter(1.0, users, clock=clock)
+    for advance, wanted in steps:
+        clock.advance(advance)
+        demand = dict(zip(users, wanted, strict=False))
+        expected = {user: per_user.take_up_to(user, n) for user, n in demand.items()}
+        assert one_call.take_many(demand) == expected
+    for user in users:
+        assert one_call.ready_at_ns(user) == per_user.ready_at_ns(user)
+
+
+def test_take_many_rejects_an_empty_user_name() -> None:
+    with pytest.raises(ValueError, match="''"):
+        OutputRateLimiter(10).take_many({"": 1})

@@ -162,19 +162,39 @@ class OutputRateLimiter:
         clock reading, but O(1): the scheduler reserves a user's allowance for
         a whole step with one call instead of one call per request.
         """
-        if not user:
-            raise ValueError(f"user name must be a non-empty string, got {user!r}")
-        rate = self._overrides.get(user, self._default)
-        now = self._clock() * rate.scale
-        tat = self._tat.get(user, now)
-        if tat < now:
-            tat = now  # idle credit never accumulates beyond the burst
-        headroom = now + rate.burst - tat
-        if headroom < 0 or wanted <= 0:
-            return 0
-        taken = min(wanted, headroom // rate.interval + 1)
-        self._tat[user] = tat + taken * rate.interval
-        return taken
+        return self.take_many({user: wanted})[user]
+
+    def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]:
+        """``take_up_to`` for several users at one clock reading.
+
+        Returns how many tokens each user got. The scheduler reserves every
+        user's allowance for a step with this one call; it does the same
+        arithmetic as ``take_up_to`` in a single loop (no Python call per
+        user), because with hundreds of users that per-call cost showed in
+        the step time.
+        """
+        if "" in wanted:
+            raise ValueError("user name must be a non-empty string, got ''")
+        clock_ns = self._clock()
+        overrides, default, tats = self._overrides, self._default, self._tat
+        default_now = clock_ns * default.scale  # most users have the default
+        got: dict[str, int] = {}
+        for user, count in wanted.items():
+            rate = overrides.get(user)
+            if rate is None:
+                rate, now = default, default_now
+            else:
+                now = clock_ns * rate.scale
+            tat = tats.get(user, now)
+            if tat < now:
+                tat = now
+            headroom = now + rate.burst - tat
+            if headroom < 0 or count <= 0:
+                got[user] = 0
+                continue
+            taken = got[user] = min(count, headroom // rate.interval + 1)
+            tats[user] = tat + taken * rate.interval
+        return got
 
     def refund(self, user: str, count: int = 1) -> None:
         """Give back ``count`` tokens taken earlier in the same scheduler step."""

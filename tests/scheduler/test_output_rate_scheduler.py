@@ -16,6 +16,7 @@ from fractions import Fraction
 import pytest
 
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.scheduling.scheduler import USER_ATTR, OutputRateMixin
 from vllm_output_rate.tools.scheduler_sim import (
     FakeClock,
     SchedulerHarness,
@@ -34,10 +35,10 @@ class CountingLimiter(OutputRateLimiter):
         self.net: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
-    def take_up_to(self, user: str, wanted: int) -> int:
-        taken = super().take_up_to(user, wanted)
-        self.net[user] += taken
-        self.calls[user] += 1
+    def take_many(self, wanted):  # every take goes through here
+        taken = super().take_many(wanted)
+        self.net.update(taken)
+        self.calls.update(taken.keys())
         return taken
 
     def refund(self, user: str, count: int = 1) -> None:
@@ -395,6 +396,32 @@ def test_stock_behaviour_when_limits_never_bind(
     )
     ours = limited(1e6, max_num_batched_tokens=256)
     assert workload(ours) == workload(stock)
+
+
+def test_while_no_limit_binds_the_per_request_hook_is_skipped(
+    limited, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fast path: vLLM's own hook runs instead of ours and the step is
+    # charged afterwards (the fixture checks charges == sampled tokens).
+    hook_calls = Counter()
+    ours = OutputRateMixin._reserve_prefill_lookahead
+
+    def counted(self, request, *args):
+        hook_calls[getattr(request, USER_ATTR)] += 1
+        return ours(self, request, *args)
+
+    monkeypatch.setattr(OutputRateMixin, "_reserve_prefill_lookahead", counted)
+    h = limited(1e6, {"slow": 1}, max_num_batched_tokens=64)
+    for _ in range(4):
+        h.add("fast", prompt_len=150, max_tokens=10)  # chunked prefills too
+    h.run_until_done(1 * MS)
+    assert hook_calls["fast"] == 0
+    assert len(h.sampled_at("fast")) == 40
+    for _ in range(2):
+        h.add("slow", max_tokens=3)
+    h.run_until_done(100 * MS)
+    assert hook_calls["slow"] > 0  # binding: each request goes through ours
+    assert len(h.sampled_at("slow")) == 6
 
 
 def test_memory_of_idle_users_is_released(tiny_model_path: str) -> None:

@@ -21,7 +21,12 @@ Wrapped (in the process where vLLM calls them):
 
 Overridden private Scheduler methods (see scheduling/scheduler.py):
 ``_reserve_prefill_lookahead``, ``_handle_blocked_waiting_request``; the
-attribute ``max_num_active_reqs`` is read by vLLM's waiting loop.
+attribute ``max_num_active_reqs`` is read by vLLM's waiting loop. The fast
+path (no limit binds) relies on two more facts: ``schedule()`` looks the hook
+up on ``self`` at each call (so an instance attribute can stand in for the
+override during a step), and ``_update_after_schedule`` sets
+``Request.is_prefill_chunk`` on every scheduled request before ``schedule()``
+returns (so the step's sampled tokens can be counted afterwards).
 """
 
 from __future__ import annotations
@@ -112,8 +117,32 @@ def verify_seams(*, api: bool = True) -> None:
             problems.append(f"{module}.{name}.{method} no longer exists")
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if "self.max_num_active_reqs" not in inspect.getsource(Scheduler.schedule):
-        problems.append("Scheduler.schedule no longer reads max_num_active_reqs")
+    schedule_source = inspect.getsource(Scheduler.schedule)
+    source_facts = [
+        (
+            schedule_source,
+            "self.max_num_active_reqs",
+            "Scheduler.schedule reads max_num_active_reqs",
+        ),
+        (
+            schedule_source,
+            "self._reserve_prefill_lookahead(",
+            "Scheduler.schedule calls self._reserve_prefill_lookahead",
+        ),
+        (
+            schedule_source,
+            "self._update_after_schedule(",
+            "Scheduler.schedule calls self._update_after_schedule",
+        ),
+        (
+            inspect.getsource(Scheduler._update_after_schedule),
+            "request.is_prefill_chunk =",
+            "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
+        ),
+    ]
+    for source, needle, fact in source_facts:
+        if needle not in source:
+            problems.append(f"no longer true: {fact}")
     if problems:
         raise SeamMovedError(
             "vllm-output-rate cannot hook into this vLLM: " + "; ".join(problems)

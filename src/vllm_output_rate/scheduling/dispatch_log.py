@@ -3,7 +3,7 @@
 Client-side timing sees tokens after HTTP buffering; the scheduler knows when
 it dispatched each user's token. With ``VLLM_OUTPUT_RATE_DISPATCH_LOG=FILE``
 the scheduler appends one CSV line ``monotonic_ns,user`` per dispatched token,
-written in batches so a step pays one list append per token. Benchmarks read
+written in batches so a step pays one list extend per user. Benchmarks read
 it to report the gap between a user's consecutive tokens.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Mapping
 from typing import TextIO
 
 ENV = "VLLM_OUTPUT_RATE_DISPATCH_LOG"
@@ -28,8 +29,10 @@ class DispatchLog:
         path = os.environ.get(ENV)
         return cls(path) if path else None
 
-    def record(self, time_ns: int, user: str) -> None:
-        self._pending.append(f"{time_ns},{user}\n")
+    def record(self, time_ns: int, served: Mapping[str, int]) -> None:
+        """One step: ``served`` maps users to tokens dispatched at ``time_ns``."""
+        for user, count in served.items():
+            self._pending.extend([f"{time_ns},{user}\n"] * count)
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()
 

@@ -1,18 +1,22 @@
 """One scheduler step's accounts against the limiter (no vLLM import).
 
-The first time a user is met in a step, the step reserves that user's whole
-allowance with one limiter call (``take_up_to``); each sampling request then
-spends one token of it with a dictionary update. At the end of the step,
-everything reserved but not dispatched goes back in one ``refund`` per user.
-This is exactly equivalent to one ``try_take`` per request at the step's
-clock reading, but the limiter's work grows with the number of users met in
-the step, not with the number of resident requests, and a user refused once
-is not asked again in the same step.
+At the start of a step every user with unfinished requests gets a
+reservation from one limiter call (``take_many``), sized to what the user
+could sample at most in the step: one token per unfinished request. Each
+sampling request then spends one token of it with a dictionary update (or
+the scheduler spends a whole step's count at once, ``spend_counts``). At the
+end of the step, everything reserved but not dispatched goes back with one
+``refund`` per user that has something to give back.
+
+This is exactly equivalent to one ``try_take`` per sampled token at the
+step's clock reading, but the limiter's work grows with the number of users,
+not with the number of resident requests, and a user refused once is not
+asked again in the same step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Mapping
 
 from vllm_output_rate.limiter import OutputRateLimiter
 
@@ -26,15 +30,27 @@ class StepBudget:
         self._remaining: dict[str, int] = {}  # user -> reserved and not yet spent
         self.refused_users: set[str] = set()
 
-    def begin_step(self) -> None:
-        self._reserved.clear()
-        self._remaining.clear()
+    def begin_step(self, demand: Mapping[str, int]) -> bool:
+        """Reserve each user's allowance for the step, up to its ``demand``.
+
+        ``demand`` maps users to the most tokens they could sample in the
+        step (their unfinished requests). Returns whether every user got all
+        of it, i.e. nobody can be refused in this step.
+        """
         self.refused_users.clear()
+        cap = self._max_tokens_per_step
+        if demand and max(demand.values()) > cap:
+            demand = {user: min(count, cap) for user, count in demand.items()}
+        self._reserved = self.limiter.take_many(demand)
+        self._remaining = dict(self._reserved)
+        return self._reserved == demand
 
     def has_budget(self, user: str) -> bool:
         """Whether ``user`` can still sample a token in this step."""
         remaining = self._remaining.get(user)
         if remaining is None:
+            # Not in the step's demand (the caller's count missed it): ask
+            # now, as the reservation would have.
             remaining = self.limiter.take_up_to(user, self._max_tokens_per_step)
             self._reserved[user] = self._remaining[user] = remaining
         if remaining:
@@ -49,7 +65,31 @@ class StepBudget:
         self._remaining[user] -= 1
         return True
 
-    def settle(self, undispatched: Counter[str]) -> int | None:
+    def spend_counts(self, sampled: Mapping[str, int]) -> bool:
+        """Spend a whole step's tokens per user, when every user was covered.
+
+        In the common steady state (everyone sampled what it reserved) this
+        is one dictionary comparison. Returns False if some user sampled
+        more than it reserved (the demand was not an upper bound: a bug); the
+        excess is then taken from the limiter after the fact, as far as the
+        limiter allows, rather than failing the engine.
+        """
+        if sampled == self._reserved:
+            self._remaining = dict.fromkeys(self._reserved, 0)
+            return True
+        remaining = self._remaining
+        exact = True
+        for user, count in sampled.items():
+            left = remaining.get(user, 0) - count
+            if left < 0:
+                exact = False
+                self.limiter.take_up_to(user, -left)
+                left = 0
+            remaining[user] = left
+            self._reserved.setdefault(user, 0)
+        return exact
+
+    def settle(self, undispatched: Mapping[str, int]) -> int | None:
         """Return unspent and undispatched tokens to the limiter.
 
         ``undispatched`` counts, per user, tokens that were spent on requests
@@ -57,10 +97,11 @@ class StepBudget:
         out of token budget). Returns the earliest clock reading at which a
         user refused in this step may sample again, or None if none was.
         """
-        for user, reserved in self._reserved.items():
-            unused = self._remaining[user] + undispatched.get(user, 0)
-            if unused:
-                self.limiter.refund(user, min(unused, reserved))
+        if undispatched or any(self._remaining.values()):
+            for user, reserved in self._reserved.items():
+                unused = self._remaining[user] + undispatched.get(user, 0)
+                if unused:
+                    self.limiter.refund(user, min(unused, reserved))
         if not self.refused_users:
             return None
         return min(self.limiter.ready_at_ns(user) for user in self.refused_users)

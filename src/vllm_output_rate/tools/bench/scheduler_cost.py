@@ -82,7 +82,8 @@ class CountingLimiter(OutputRateLimiter):
 
     Every accounting method counts, including any added later; ``now_ns`` (a
     clock read the scheduler makes once per step for its statistics) does
-    not. A method that calls another counts both.
+    not. A method that calls another counts both, and ``take_many`` counts
+    once per user it handles: what is counted is the limiter's work.
 
     Counting costs time itself, so the timed steps run the plain limiter and
     ``count_calls`` turns that very object (its state kept) into this class
@@ -105,7 +106,7 @@ class CountingLimiter(OutputRateLimiter):
 
 def _counted(name: str) -> Any:
     def method(self: CountingLimiter, *args: Any, **kwargs: Any) -> Any:
-        self.calls[name] += 1
+        self.calls[name] += len(args[0]) if name == "take_many" else 1
         return getattr(super(CountingLimiter, self), name)(*args, **kwargs)
 
     method.__name__ = name
