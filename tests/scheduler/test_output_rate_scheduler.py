@@ -424,6 +424,43 @@ def test_while_no_limit_binds_the_per_request_hook_is_skipped(
     assert len(h.sampled_at("slow")) == 6
 
 
+def test_demand_is_tracked_without_recounting(
+    limited, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each step's reservation is sized to the user's unfinished requests,
+    # kept from adds and vLLM's finished ids; a recount is only a fallback.
+    h = limited(40, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = h.scheduler
+    recounts = []
+    recount = scheduler._recount_unfinished
+    monkeypatch.setattr(
+        scheduler, "_recount_unfinished", lambda: recounts.append(1) or recount()
+    )
+    count = scheduler._count_unfinished
+    checked = []
+
+    def checked_count():
+        result = count()
+        truth = Counter(getattr(r, USER_ATTR) for r in scheduler.requests.values())
+        checked.append(+result == truth)
+        return result
+
+    monkeypatch.setattr(scheduler, "_count_unfinished", checked_count)
+    rng = random.Random(7)
+    live = []
+    for step in range(300):
+        if step < 200 and rng.random() < 0.3:
+            user = f"user-{rng.randrange(3)}"
+            live.append(h.add(user, prompt_len=rng.randrange(2, 90), max_tokens=8))
+        if live and rng.random() < 0.05:
+            h.abort(live.pop(rng.randrange(len(live))).request_id)
+        h.step(5 * MS)
+    h.run_until_done(5 * MS)
+    assert checked and all(checked)
+    assert not recounts
+    assert not scheduler._unfinished and not scheduler._user_by_id
+
+
 def test_memory_of_idle_users_is_released(tiny_model_path: str) -> None:
     clock = FakeClock()
     h = make_scheduler(

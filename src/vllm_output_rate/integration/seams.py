@@ -26,7 +26,10 @@ path (no limit binds) relies on two more facts: ``schedule()`` looks the hook
 up on ``self`` at each call (so an instance attribute can stand in for the
 override during a step), and ``_update_after_schedule`` sets
 ``Request.is_prefill_chunk`` on every scheduled request before ``schedule()``
-returns (so the step's sampled tokens can be counted afterwards).
+returns (so the step's sampled tokens can be counted afterwards). Each
+step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
+``_free_request``, read before ``schedule()`` clears it), with a recount
+whenever it disagrees with ``Scheduler.requests``.
 """
 
 from __future__ import annotations
@@ -140,6 +143,13 @@ def verify_seams(*, api: bool = True) -> None:
             "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
         ),
     ]
+    source_facts.append(
+        (
+            inspect.getsource(Scheduler._free_request),
+            "self.finished_req_ids.add(",
+            "Scheduler._free_request records finished_req_ids",
+        )
+    )
     for source, needle, fact in source_facts:
         if needle not in source:
             problems.append(f"no longer true: {fact}")
