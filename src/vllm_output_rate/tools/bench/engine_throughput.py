@@ -1,0 +1,198 @@
+"""1b. Engine throughput when limits do not bind: the throughput benchmark's
+load through vLLM's offline ``LLM`` class, stock against ours, paired rounds.
+
+``LLM`` runs the same engine-core and model-worker processes, scheduler, KV
+cache manager and model as the OpenAI server, without the HTTP front end. On
+this 2-core machine the server's throughput for one and the same load varies
+up to tenfold between runs, for stock vLLM and ours alike (the slow state in
+section 1), while the engine driven this way has not shown that state; so
+the scheduler's effect on throughput is measured here, and the server figure
+is kept beside it.
+
+Each server kind lives in its own child process (``--child``) for the whole
+benchmark, so start-up is paid once; the parent sends ``run`` and reads one
+JSON line per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from vllm_output_rate.tools.bench.measure import OthersCpu
+from vllm_output_rate.tools.bench.report_format import median, quartiles
+from vllm_output_rate.tools.bench.servers import DEFAULT_LIMIT, log
+from vllm_output_rate.tools.server import DEFAULT_ENV
+
+STREAMS = 32
+MAX_TOKENS = 256
+GENERATES_PER_ROUND = 4  # about 2 s of decoding per round here
+PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
+READY_TIMEOUT_S = 600.0
+ROUND_TIMEOUT_S = 300.0
+KINDS = ("stock", "ours")
+
+
+# ----- child: one LLM, driven over stdin/stdout ------------------------------
+
+
+def _child(kind: str, model: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    extra: dict[str, Any] = {}
+    if kind == "ours":
+        extra["additional_config"] = {
+            "output_rate": {"default_user_output_tokens_per_second": DEFAULT_LIMIT}
+        }
+    # The same engine settings as the benchmark servers (tools/server.py and
+    # servers.SERVER_ARGS).
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_seqs=64,
+        **extra,
+    )
+    scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * STREAMS
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    _reply({"ready": True, "scheduler_cls": str(scheduler_cls)})
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        tokens = 0
+        started = time.perf_counter()
+        for _ in range(GENERATES_PER_ROUND):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        _reply({"tokens": tokens, "seconds": time.perf_counter() - started})
+
+
+def _reply(message: dict[str, Any]) -> None:
+    # stdout carries only these lines; vLLM logs to stderr.
+    print("@@" + json.dumps(message), flush=True)
+
+
+# ----- parent ------------------------------------------------------------------
+
+
+class _Engine:
+    def __init__(self, kind: str, model: str, log_path: str) -> None:
+        env = {**os.environ, **DEFAULT_ENV}
+        if kind == "stock":
+            env["VLLM_PLUGINS"] = ""  # the plugin is not even loaded
+        self.kind = kind
+        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, "--child", kind, "--model", model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        self.info = self._read(READY_TIMEOUT_S)
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
+        while time.monotonic() < deadline:
+            line = stdout.readline()
+            if not line:
+                raise RuntimeError(
+                    f"engine child {self.kind} exited (log: {self._log.name})"
+                )
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise TimeoutError(f"engine child {self.kind} did not answer in time")
+
+    def run_round(self) -> dict[str, Any]:
+        stdin: IO[str] = self.process.stdin  # type: ignore[assignment]
+        stdin.write("run\n")
+        stdin.flush()
+        return self._read(ROUND_TIMEOUT_S)
+
+    def close(self) -> None:
+        try:
+            if self.process.stdin:
+                self.process.stdin.close()
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            self._log.close()
+
+
+def engine_throughput(
+    model: str, work_dir: Path, settle: Callable[[], float], quick: bool = False
+) -> dict[str, Any]:
+    """Paired rounds of the same load on a stock and an 'ours' engine;
+    ``settle`` runs before each measurement (the quiet-machine gate)."""
+    rounds = 4 if quick else 12
+    engines: dict[str, _Engine] = {}
+    try:
+        for kind in KINDS:  # one at a time: start-up is CPU-heavy
+            started = time.monotonic()
+            engines[kind] = _Engine(kind, model, str(work_dir / f"engine-{kind}.log"))
+            log(f"engine {kind} ready after {time.monotonic() - started:.0f} s")
+        runs: list[dict[str, Any]] = []
+        for i in range(rounds):
+            order = KINDS if i % 2 == 0 else KINDS[::-1]
+            for kind in order:
+                settle()
+                with OthersCpu() as others:
+                    reply = engines[kind].run_round()
+                rate = reply["tokens"] / reply["seconds"]
+                runs.append(
+                    {
+                        "round": i,
+                        "engine": kind,
+                        "tok_s": rate,
+                        "tokens": reply["tokens"],
+                        "others_cores": others.cores,
+                    }
+                )
+                log(f"engine round {i + 1}/{rounds} {kind}: {rate:,.0f} tok/s")
+        scheduler_cls = {k: e.info.get("scheduler_cls") for k, e in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ratios = []
+    for i in range(rounds):
+        rate = {r["engine"]: r["tok_s"] for r in runs if r["round"] == i}
+        ratios.append(rate["ours"] / rate["stock"])
+    ratio = median(ratios)
+    q1, q3 = quartiles(ratios)
+    return {
+        "rounds": rounds,
+        "streams": STREAMS,
+        "max_tokens": MAX_TOKENS,
+        "generates_per_round": GENERATES_PER_ROUND,
+        "scheduler_cls": scheduler_cls,
+        "runs": runs,
+        "ratios": ratios,
+        "ratio_median": ratio,
+        "ratio_quartiles": [q1, q3],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=KINDS, required=True)
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    _child(args.child, args.model)
+
+
+if __name__ == "__main__":
+    main()
