@@ -245,7 +245,7 @@ def format_throughput(results: dict[str, Any], figures_dir: Path, md_dir: Path) 
         "and the engine core together on the core the worker does not use "
         "(8 of 8 slow), or the API server beside the worker (5 of 6 slow), or "
         "shortening Python's thread switch interval in every server process "
-        "(5 of 8 slow), or prompts sent as token ids (4 of 8 slow) did not "
+        "(5 of 8 slow), or prompts sent as token ids (5 of 8 slow) did not "
         "remove it. With `--enable-log-requests`, a slow run shows the API "
         "server adding 3-4 requests per second to the engine (each then "
         "decodes alone at full speed) while its event loop sits idle and the "
