@@ -22,6 +22,7 @@ from vllm_output_rate.tools.bench.report_format import (
     figure_setup,
     fmt,
     relative,
+    save_figure,
     verdict,
 )
 from vllm_output_rate.tools.bench.servers import (
@@ -279,11 +280,7 @@ def plot_accuracy(results: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("engine-side gap between a user's tokens (ms)")
     ax.legend(fontsize=8)
     fig.suptitle("Rate accuracy")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_accuracy(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:

@@ -19,7 +19,12 @@ from vllm_output_rate.tools.bench.measure import (
     server_processes,
     wait_until_drained,
 )
-from vllm_output_rate.tools.bench.report_format import figure_setup, relative, verdict
+from vllm_output_rate.tools.bench.report_format import (
+    figure_setup,
+    relative,
+    save_figure,
+    verdict,
+)
 from vllm_output_rate.tools.bench.servers import (
     IDLE_STREAMS,
     IDLE_USER,
@@ -243,11 +248,7 @@ def plot_idle(results: dict[str, Any], path: Path) -> Path:
     ax.set_yscale("symlog", linthresh=1)
     ax.set_title("CPU while only throttled requests are in flight")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_idle(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:

@@ -18,6 +18,7 @@ from vllm_output_rate.tools.bench.report_format import (
     fmt,
     median,
     relative,
+    save_figure,
     verdict,
 )
 from vllm_output_rate.tools.bench.servers import (
@@ -207,11 +208,7 @@ def plot_isolation(results: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     fig.suptitle("Isolation: light user B beside heavy user A")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_isolation(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:

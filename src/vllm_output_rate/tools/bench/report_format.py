@@ -49,6 +49,17 @@ def figure_setup() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def jsonable(results: dict[str, Any]) -> dict[str, Any]:
     """Results without private keys (e.g. LoadResult objects for figures)."""
     return {k: v for k, v in results.items() if not k.startswith("_")}

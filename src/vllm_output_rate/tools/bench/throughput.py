@@ -22,6 +22,7 @@ from vllm_output_rate.tools.bench.report_format import (
     median,
     quartiles,
     relative,
+    save_figure,
     verdict,
 )
 from vllm_output_rate.tools.bench.servers import (
@@ -192,11 +193,7 @@ def plot_throughput(results: dict[str, Any], path: Path) -> Path:
         f"{fmt(results['normal_ratio_median'], 3)} (normal-state rounds)"
     )
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_throughput(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
