@@ -313,28 +313,118 @@ def test_rate_updates_are_all_or_nothing() -> None:
     assert limiter.rate_of("a") == 20
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    rates=st.lists(RATES, min_size=1, max_size=5),
-    steps=st.lists(
-        st.tuples(st.integers(0, 300 * MS), st.lists(st.integers(0, 40), max_size=5)),
-        max_size=40,
+class ReferenceGcra:
+    """GCRA as the specification states it, per user, in exact fractions of a
+    second: independent of the limiter's scaled integers and its group."""
+
+    def __init__(self, default: float, users: dict[str, float]) -> None:
+        self.default = Fraction(repr(default))
+        self.rates = {u: Fraction(repr(r)) for u, r in users.items()}
+        self.burst = Fraction(BURST_NS, NS_PER_SECOND)
+        self.tat: dict[str, Fraction] = {}
+
+    def rate(self, user: str) -> Fraction:
+        return self.rates.get(user, self.default)
+
+    def take(self, user: str, wanted: int, now_ns: int) -> int:
+        now = Fraction(now_ns, NS_PER_SECOND)
+        tat = max(self.tat.get(user, now), now)
+        if tat - now > self.burst or wanted <= 0:
+            return 0
+        taken = min(wanted, math.floor((now + self.burst - tat) * self.rate(user)) + 1)
+        self.tat[user] = tat + taken / self.rate(user)
+        return taken
+
+    def refund(self, user: str, count: int) -> None:
+        if user in self.tat and count > 0:
+            self.tat[user] -= count / self.rate(user)
+
+    def ready_at_ns(self, user: str, now_ns: int) -> int:
+        if user not in self.tat:
+            return now_ns
+        return max(math.ceil((self.tat[user] - self.burst) * NS_PER_SECOND), now_ns)
+
+    def set_rate(self, user: str | None, rate: float) -> None:
+        """A rate change keeps each affected user's due time, rounded up to
+        the nanosecond."""
+        affected = [u for u in self.tat if (u in self.rates) == (user is not None)]
+        if user is not None:
+            affected = [u for u in affected if u == user]
+            self.rates[user] = Fraction(repr(rate))
+        else:
+            self.default = Fraction(repr(rate))
+        for u in affected:
+            due_ns = math.ceil(self.tat[u] * NS_PER_SECOND)
+            self.tat[u] = Fraction(due_ns, NS_PER_SECOND)
+
+
+LIMITER_USERS = ["own-rate", "u1", "u2", "u3"]
+OPS = st.one_of(
+    st.tuples(st.just("advance"), st.integers(0, 400 * MS)),
+    st.tuples(
+        st.just("take"),
+        st.dictionaries(st.sampled_from(LIMITER_USERS), st.integers(0, 30)),
     ),
+    st.tuples(st.just("refund"), st.sampled_from(LIMITER_USERS), st.integers(0, 5)),
+    st.tuples(st.just("cleanup")),
+    st.tuples(st.just("rate"), st.sampled_from([None, "own-rate", "u2"]), RATES),
 )
-def test_take_many_equals_take_up_to_per_user(
-    rates: list[float], steps: list[tuple[int, list[int]]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(default=RATES, own=RATES, ops=st.lists(OPS, max_size=60))
+def test_the_limiter_matches_a_reference_gcra(
+    default: float, own: float, ops: list[tuple]
 ) -> None:
-    users = {f"user-{i}": rate for i, rate in enumerate(rates)}
+    # take_many, the group of free default-rate users, refunds, rate changes
+    # and cleanup, against the plain per-user formula.
     clock = FakeClock()
-    one_call = OutputRateLimiter(1.0, users, clock=clock)
-    per_user = OutputRateLimiter(1.0, users, clock=clock)
-    for advance, wanted in steps:
-        clock.advance(advance)
-        demand = dict(zip(users, wanted, strict=False))
-        expected = {user: per_user.take_up_to(user, n) for user, n in demand.items()}
-        assert one_call.take_many(demand) == expected
-    for user in users:
-        assert one_call.ready_at_ns(user) == per_user.ready_at_ns(user)
+    limiter = OutputRateLimiter(default, {"own-rate": own}, clock=clock)
+    reference = ReferenceGcra(default, {"own-rate": own})
+    for op in ops:
+        kind = op[0]
+        if kind == "advance":
+            clock.advance(op[1])
+        elif kind == "take":
+            expected = {u: reference.take(u, n, clock.now_ns) for u, n in op[1].items()}
+            assert limiter.take_many(op[1]) == expected
+        elif kind == "refund":
+            limiter.refund(op[1], op[2])
+            reference.refund(op[1], op[2])
+        elif kind == "cleanup":
+            limiter.cleanup_idle_users()
+        else:
+            user, rate = op[1], op[2]
+            limiter.update_rates(
+                default_rate=rate if user is None else None,
+                user_rates=None if user is None else {user: rate},
+            )
+            reference.set_rate(user, rate)
+        now = clock.now_ns
+        for user in LIMITER_USERS:
+            assert limiter.ready_at_ns(user) == reference.ready_at_ns(user, now)
+
+
+def test_users_far_below_their_limit_share_one_record() -> None:
+    # The group: no per-user TAT while everyone gets what it asks for.
+    clock = FakeClock()
+    limiter = OutputRateLimiter(1000)
+    limiter._clock = clock
+    demand = {f"user-{i}": 1 for i in range(100)}
+    for _ in range(5):
+        assert limiter.take_many(demand) == demand
+        clock.advance(5 * MS)  # 1 token per 5 ms is below 1000 tok/s
+    assert not limiter._tat and len(limiter._group_taken) == 100
+    assert limiter.take_many({"user-0": 200}) == {"user-0": 101}  # burst ends
+    assert "user-0" in limiter._tat
+
+
+def test_a_refund_inside_the_group_is_exact() -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(10, clock=clock)  # 2 tokens fit in the burst
+    assert limiter.take_many({"a": 2, "b": 1}) == {"a": 2, "b": 1}
+    limiter.refund("a", 2)  # not dispatched after all
+    assert limiter.take_many({"a": 2}) == {"a": 2}
 
 
 def test_take_many_rejects_an_empty_user_name() -> None:

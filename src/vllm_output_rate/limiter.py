@@ -67,6 +67,16 @@ class OutputRateLimiter:
     ``default_rate`` applies to every user not named in ``user_rates``. The
     limiter only keeps accounts; which request gets a token is the scheduler's
     decision.
+
+    Users far below their limit cost no Python work per user. When every
+    default-rate user in a ``take_many`` call is free (TAT not ahead of now)
+    and gets all it asks for, their TATs are all "now + taken x interval":
+    the limiter then keeps that one reading of now and a copy of the counts
+    (the *group*) instead of a TAT each, and the next call checks the whole
+    group at once (is the largest count's spacing past?). Users with their own
+    rate are always handled one by one. Anything else (a user still ahead, a
+    refused token) turns the group back into per-user TATs first. Decisions
+    are the same either way.
     """
 
     def __init__(
@@ -93,6 +103,10 @@ class OutputRateLimiter:
         # user -> TAT in that user's scaled nanoseconds. A user without an
         # entry behaves exactly like one whose TAT is in the past.
         self._tat: dict[str, int] = {}
+        # The group (see the class docstring): default-rate users whose TAT
+        # is group_now * scale + taken * interval. Never also in _tat.
+        self._group_now_ns = 0
+        self._group_taken: dict[str, int] = {}
 
     @property
     def burst_ns(self) -> int:
@@ -127,6 +141,7 @@ class OutputRateLimiter:
         grants no burst; tokens after that one follow the new spacing. Bad
         input raises ValueError and changes nothing.
         """
+        self._materialize_group()  # its TATs are in the old default's units
         new_default = (
             self._default
             if default_rate is None
@@ -176,6 +191,23 @@ class OutputRateLimiter:
         if "" in wanted:
             raise ValueError("user name must be a non-empty string, got ''")
         clock_ns = self._clock()
+        # Users with their own rate are always taken one by one; everyone
+        # else together, as the group, when possible.
+        own_rate = self._overrides.keys() & wanted.keys()
+        group = dict(wanted)
+        for user in own_rate:
+            del group[user]
+        if self._can_be_group(group, clock_ns):
+            self._group_now_ns = clock_ns
+            self._group_taken = group
+            got = dict(group)
+            got.update(self._take_each({u: wanted[u] for u in own_rate}, clock_ns))
+            return got
+        self._materialize_group()
+        return self._take_each(wanted, clock_ns)
+
+    def _take_each(self, wanted: Mapping[str, int], clock_ns: int) -> dict[str, int]:
+        """The GCRA step for each user, on per-user TATs."""
         overrides, default, tats = self._overrides, self._default, self._tat
         default_now = clock_ns * default.scale  # most users have the default
         got: dict[str, int] = {}
@@ -196,10 +228,61 @@ class OutputRateLimiter:
             tats[user] = tat + taken * rate.interval
         return got
 
+    def _can_be_group(self, group: dict[str, int], clock_ns: int) -> bool:
+        """Whether every default-rate user in ``group`` is free now and gets
+        its count in full, so that ``group`` can replace the current group.
+
+        Each check is a C-level operation over the users (``max``, ``&``)
+        except for users with a per-user TAT, which are looked at one by one
+        (and leave it: they join the group at most once in a row).
+        """
+        if not group:
+            return False
+        default = self._default
+        current = self._group_taken
+        elapsed = (clock_ns - self._group_now_ns) * default.scale
+        if current and max(current.values()) * default.interval > elapsed:
+            return False  # someone in the current group is still ahead of now
+        counts = group.values()
+        if min(counts) < 1 or max(counts) > default.burst // default.interval + 1:
+            return False  # not granted in full (or a count of 0)
+        tats = self._tat
+        with_tat = tats.keys() & group.keys()
+        if with_tat:
+            now = clock_ns * default.scale
+            if any(tats[user] > now for user in with_tat):
+                return False
+            for user in with_tat:
+                del tats[user]  # in the past: the same as no entry
+        # Current members not asking now are free: forgetting them is exact.
+        return True
+
+    def _materialize_group(self) -> None:
+        """Turn the group back into per-user TATs."""
+        if not self._group_taken:
+            return
+        default = self._default
+        base = self._group_now_ns * default.scale
+        for user, taken in self._group_taken.items():
+            self._tat[user] = base + taken * default.interval
+        self._group_taken = {}
+
+    def _tat_of(self, user: str) -> int | None:
+        taken = self._group_taken.get(user)
+        if taken is None:
+            return self._tat.get(user)
+        default = self._default
+        return self._group_now_ns * default.scale + taken * default.interval
+
     def refund(self, user: str, count: int = 1) -> None:
         """Give back ``count`` tokens taken earlier in the same scheduler step."""
+        if count <= 0:
+            return
+        if user in self._group_taken:
+            self._group_taken[user] -= count
+            return
         tat = self._tat.get(user)
-        if tat is None or count <= 0:
+        if tat is None:
             return  # nothing was taken (or the state was already idle)
         rate = self._overrides.get(user, self._default)
         self._tat[user] = tat - count * rate.interval
@@ -211,7 +294,7 @@ class OutputRateLimiter:
         the current clock reading.
         """
         now = self._clock()
-        tat = self._tat.get(user)
+        tat = self._tat_of(user)
         if tat is None:
             return now
         rate = self._overrides.get(user, self._default)
@@ -226,6 +309,7 @@ class OutputRateLimiter:
         cannot change any later decision. Cost is linear in the users seen
         since the previous cleanup, so call it periodically.
         """
+        self._materialize_group()
         now = self._clock()
         idle = [
             user
@@ -238,4 +322,4 @@ class OutputRateLimiter:
 
     def __len__(self) -> int:
         """Number of users with state (those not idle at the last cleanup)."""
-        return len(self._tat)
+        return len(self._tat) + len(self._group_taken)
