@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +80,8 @@ class OutputRateStats:
         self,
         now_ns: int,
         served: Counter[str],
-        refunded: Counter[str],
-        throttled: Counter[str],
+        refunded: Mapping[str, int],
+        throttled: Mapping[str, int],
     ) -> None:
         """One scheduler step: tokens dispatched, refunds and skipped requests.
 

@@ -34,6 +34,7 @@ from vllm_output_rate.tools.server import DEFAULT_ENV
 STREAMS = 32
 MAX_TOKENS = 256
 GENERATES_PER_ROUND = 4  # about 2 s of decoding per round here
+WARMUP_GENERATES = 8  # the first rounds after start-up ran a few % slow
 PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
 READY_TIMEOUT_S = 600.0
 ROUND_TIMEOUT_S = 300.0
@@ -64,7 +65,8 @@ def _child(kind: str, model: str) -> None:
     scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * STREAMS
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    for _ in range(WARMUP_GENERATES):
+        llm.generate(prompts, params, use_tqdm=False)
     _reply({"ready": True, "scheduler_cls": str(scheduler_cls)})
     for line in sys.stdin:
         if line.strip() != "run":
@@ -138,7 +140,7 @@ def engine_throughput(
 ) -> dict[str, Any]:
     """Paired rounds of the same load on a stock and an 'ours' engine;
     ``settle`` runs before each measurement (the quiet-machine gate)."""
-    rounds = 4 if quick else 12
+    rounds = 4 if quick else 16
     engines: dict[str, _Engine] = {}
     try:
         for kind in KINDS:  # one at a time: start-up is CPU-heavy
