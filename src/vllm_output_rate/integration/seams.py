@@ -29,7 +29,9 @@ override during a step), and ``_update_after_schedule`` sets
 returns (so the step's sampled tokens can be counted afterwards). Each
 step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
 ``_free_request``, read before ``schedule()`` clears it), with a recount
-whenever it disagrees with ``Scheduler.requests``.
+whenever it disagrees with ``Scheduler.requests``; and when vLLM's
+``_inflight_prefills`` (requests whose prefill continues after this step) is
+empty, every scheduled request sampled.
 """
 
 from __future__ import annotations
@@ -143,13 +145,24 @@ def verify_seams(*, api: bool = True) -> None:
             "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
         ),
     ]
-    source_facts.append(
+    source_facts += [
         (
             inspect.getsource(Scheduler._free_request),
             "self.finished_req_ids.add(",
             "Scheduler._free_request records finished_req_ids",
-        )
-    )
+        ),
+        (
+            inspect.getsource(Scheduler.__init__),
+            "self._inflight_prefills",
+            "Scheduler keeps _inflight_prefills",
+        ),
+        (
+            inspect.getsource(Scheduler._update_after_schedule),
+            "self._inflight_prefills.discard(",
+            "Scheduler._update_after_schedule drops finished prefills from "
+            "_inflight_prefills",
+        ),
+    ]
     for source, needle, fact in source_facts:
         if needle not in source:
             problems.append(f"no longer true: {fact}")

@@ -296,25 +296,34 @@ class OutputRateMixin:
                 self.waiting.add_request(request)
 
     def _charge_dispatched(self, output: SchedulerOutput) -> Counter[str]:
-        """Fast path: charge each user the sampling chunks dispatched.
-
-        vLLM has set ``is_prefill_chunk`` on every scheduled request by now:
-        a chunk that did not reach the end of the sequence samples nothing,
-        the same test the hook applies before dispatch.
-        """
-        requests = self.requests  # type: ignore[attr-defined]
-        served = Counter(
-            map(
-                _users_of,
-                filterfalse(
-                    _is_prefill_chunk,
-                    map(requests.__getitem__, output.num_scheduled_tokens),
-                ),
-            )
-        )
+        """Fast path: charge each user the sampling chunks dispatched."""
+        served = self._count_sampled(output.num_scheduled_tokens)
         if not self._budget.spend_counts(served):
             logger.warning("A step dispatched more tokens than it reserved: %s", served)
         return served
+
+    def _count_sampled(self, scheduled: Mapping[str, int]) -> Counter[str]:
+        """Sampled tokens per user among the requests scheduled in the step.
+
+        A chunk that did not reach the end of the sequence samples nothing.
+        vLLM keeps such requests in ``_inflight_prefills`` until their last
+        chunk; when it is empty (steady decoding), every scheduled request
+        sampled and the count needs only request ids, not a touch of each
+        (cache-cold) request. Otherwise each scheduled request's
+        ``is_prefill_chunk``, set by vLLM after scheduling, decides: the same
+        test the hook applies before dispatch.
+        """
+        if not self._inflight_prefills:  # type: ignore[attr-defined]
+            served = Counter(map(self._user_by_id.get, scheduled))
+            if None not in served:
+                return served  # type: ignore[return-value]
+        requests = self.requests  # type: ignore[attr-defined]
+        return Counter(
+            map(
+                _users_of,
+                filterfalse(_is_prefill_chunk, map(requests.__getitem__, scheduled)),
+            )
+        )
 
     def _sort_charged(
         self, output: SchedulerOutput
