@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,20 +104,37 @@ class _Engine:
             text=True,
             env=env,
         )
-        self.info = self._read(READY_TIMEOUT_S)
+        # A blocking readline cannot time out, so a thread reads the replies
+        # and _read waits on the queue with the deadline.
+        self._replies: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        try:
+            self.info = self._read(READY_TIMEOUT_S)
+        except BaseException:
+            self.process.kill()  # it failed to start: nothing to wait for
+            self.close()
+            raise
+
+    def _pump(self) -> None:
+        stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
+        for line in stdout:
+            if line.startswith("@@"):
+                self._replies.put(line[2:])
+        self._replies.put(None)  # the child closed its stdout: it exited
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
-        while time.monotonic() < deadline:
-            line = stdout.readline()
-            if not line:
-                raise RuntimeError(
-                    f"engine child {self.kind} exited (log: {self._log.name})"
-                )
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-        raise TimeoutError(f"engine child {self.kind} did not answer in time")
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"engine child {self.kind} did not answer in {timeout_s:g} s "
+                f"(log: {self._log.name})"
+            ) from None
+        if reply is None:
+            raise RuntimeError(
+                f"engine child {self.kind} exited (log: {self._log.name})"
+            )
+        return json.loads(reply)
 
     def run_round(self) -> dict[str, Any]:
         stdin: IO[str] = self.process.stdin  # type: ignore[assignment]
@@ -125,7 +144,7 @@ class _Engine:
 
     def close(self) -> None:
         try:
-            if self.process.stdin:
+            if self.process.stdin and not self.process.stdin.closed:
                 self.process.stdin.close()
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
