@@ -183,10 +183,8 @@ class OutputRateLimiter:
         """``take_up_to`` for several users at one clock reading.
 
         Returns how many tokens each user got. The scheduler reserves every
-        user's allowance for a step with this one call; it does the same
-        arithmetic as ``take_up_to`` in a single loop (no Python call per
-        user), because with hundreds of users that per-call cost showed in
-        the step time.
+        user's allowance for a step with this one call, because with
+        hundreds of users a call per user showed in the step time.
         """
         if "" in wanted:
             raise ValueError("user name must be a non-empty string, got ''")
@@ -261,18 +259,20 @@ class OutputRateLimiter:
         """Turn the group back into per-user TATs."""
         if not self._group_taken:
             return
-        default = self._default
-        base = self._group_now_ns * default.scale
         for user, taken in self._group_taken.items():
-            self._tat[user] = base + taken * default.interval
+            self._tat[user] = self._group_tat(taken)
         self._group_taken = {}
+
+    def _group_tat(self, taken: int) -> int:
+        """The TAT of a group member that took ``taken`` tokens."""
+        default = self._default
+        return self._group_now_ns * default.scale + taken * default.interval
 
     def _tat_of(self, user: str) -> int | None:
         taken = self._group_taken.get(user)
         if taken is None:
             return self._tat.get(user)
-        default = self._default
-        return self._group_now_ns * default.scale + taken * default.interval
+        return self._group_tat(taken)
 
     def refund(self, user: str, count: int = 1) -> None:
         """Give back ``count`` tokens taken earlier in the same scheduler step."""

@@ -123,6 +123,7 @@ def verify_seams(*, api: bool = True) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule_source = inspect.getsource(Scheduler.schedule)
+    after_schedule_source = inspect.getsource(Scheduler._update_after_schedule)
     source_facts = [
         (
             schedule_source,
@@ -140,16 +141,15 @@ def verify_seams(*, api: bool = True) -> None:
             "Scheduler.schedule calls self._update_after_schedule",
         ),
         (
-            inspect.getsource(Scheduler._update_after_schedule),
+            after_schedule_source,
             "request.is_prefill_chunk =",
             "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
         ),
-    ]
-    source_facts += [
         (
-            inspect.getsource(Scheduler._free_request),
-            "self.finished_req_ids.add(",
-            "Scheduler._free_request records finished_req_ids",
+            after_schedule_source,
+            "self._inflight_prefills.discard(",
+            "Scheduler._update_after_schedule drops finished prefills from "
+            "_inflight_prefills",
         ),
         (
             inspect.getsource(Scheduler.__init__),
@@ -157,10 +157,9 @@ def verify_seams(*, api: bool = True) -> None:
             "Scheduler keeps _inflight_prefills",
         ),
         (
-            inspect.getsource(Scheduler._update_after_schedule),
-            "self._inflight_prefills.discard(",
-            "Scheduler._update_after_schedule drops finished prefills from "
-            "_inflight_prefills",
+            inspect.getsource(Scheduler._free_request),
+            "self.finished_req_ids.add(",
+            "Scheduler._free_request records finished_req_ids",
         ),
     ]
     for source, needle, fact in source_facts:

@@ -88,9 +88,9 @@ def _last_served_of(request: Request) -> int:
 # For map() and filter(): the per-request passes of the fast path then run in
 # C, without a Python call per request.
 _users_of = attrgetter(USER_ATTR)
+_is_prefill_chunk = attrgetter("is_prefill_chunk")
 # An empty, read-only count: building a Counter costs microseconds per step.
 NOTHING: Mapping[str, int] = MappingProxyType({})
-_is_prefill_chunk = attrgetter("is_prefill_chunk")
 
 
 class OutputRateMixin:
