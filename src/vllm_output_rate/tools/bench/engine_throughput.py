@@ -17,6 +17,7 @@ JSON line per round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -41,6 +42,13 @@ PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
 READY_TIMEOUT_S = 600.0
 ROUND_TIMEOUT_S = 300.0
 KINDS = ("stock", "ours")
+# After each message vLLM's model worker keeps polling its shared-memory
+# queue for a second (SpinCondition.busy_loop_s), pinned to the same core as
+# the other engine's worker: a run that starts within that second shares the
+# core with it. Before each run, wait until both engines' processes are idle.
+IDLE_CORES = 0.1
+IDLE_SAMPLE_S = 0.25
+IDLE_MAX_WAIT_S = 10.0
 
 
 # ----- child: one LLM, driven over stdin/stdout ------------------------------
@@ -115,6 +123,21 @@ class _Engine:
             self.close()
             raise
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the child and its engine processes."""
+        import psutil
+
+        total = 0.0
+        try:
+            leader = psutil.Process(self.process.pid)
+            for proc in [leader, *leader.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+        except psutil.Error:
+            pass
+        return total
+
     def _pump(self) -> None:
         stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
         for line in stdout:
@@ -154,6 +177,18 @@ class _Engine:
             self._log.close()
 
 
+def wait_until_idle(engines: list[_Engine]) -> float:
+    """Wait (at most IDLE_MAX_WAIT_S) until the engines' processes together
+    use under IDLE_CORES cores; returns the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < IDLE_MAX_WAIT_S:
+        before = sum(e.cpu_seconds() for e in engines)
+        time.sleep(IDLE_SAMPLE_S)
+        if sum(e.cpu_seconds() for e in engines) - before < IDLE_CORES * IDLE_SAMPLE_S:
+            break
+    return time.monotonic() - started
+
+
 def engine_throughput(
     model: str, work_dir: Path, settle: Callable[[], float], quick: bool = False
 ) -> dict[str, Any]:
@@ -170,6 +205,7 @@ def engine_throughput(
         for i in range(rounds):
             order = KINDS if i % 2 == 0 else KINDS[::-1]
             for kind in order:
+                idle_wait_s = wait_until_idle(list(engines.values()))
                 settle()
                 with OthersCpu() as others:
                     reply = engines[kind].run_round()
@@ -181,9 +217,13 @@ def engine_throughput(
                         "tok_s": rate,
                         "tokens": reply["tokens"],
                         "others_cores": others.cores,
+                        "idle_wait_s": idle_wait_s,
                     }
                 )
-                log(f"engine round {i + 1}/{rounds} {kind}: {rate:,.0f} tok/s")
+                log(
+                    f"engine round {i + 1}/{rounds} {kind}: {rate:,.0f} tok/s "
+                    f"(waited {idle_wait_s:.1f} s for idle engines)"
+                )
         scheduler_cls = {k: e.info.get("scheduler_cls") for k, e in engines.items()}
     finally:
         for engine in engines.values():
