@@ -43,22 +43,29 @@ def reference(steps: list[tuple[int, Counter[str]]]) -> dict[str, dict]:
     return out
 
 
-@settings(max_examples=200, deadline=None)
+SERVED = st.dictionaries(USERS, st.integers(1, 4), max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     st.lists(
         st.tuples(
             st.integers(0, 3_000_000_000),
-            st.dictionaries(USERS, st.integers(1, 4), max_size=5),
+            # None: serve what the previous step served (steady decoding).
+            st.one_of(st.none(), SERVED),
         ),
         max_size=30,
     )
 )
 def test_grouped_update_equals_a_per_user_count(
-    raw: list[tuple[int, dict[str, int]]],
+    raw: list[tuple[int, dict[str, int] | None]],
 ) -> None:
-    steps, now = [], 0
+    steps: list[tuple[int, Counter[str]]] = []
+    now = 0
     for advance, served in raw:
         now += advance
+        if served is None:
+            served = steps[-1][1] if steps else {}
         steps.append((now, Counter(served)))
     stats = OutputRateStats(NAMED)
     for now, served in steps:
@@ -82,3 +89,17 @@ def test_renaming_users_moves_them_to_their_own_label() -> None:
     snapshot = stats.snapshot()
     assert snapshot[OTHER_USERS]["tokens_admitted"] == 1
     assert snapshot["carol"]["tokens_admitted"] == 1
+
+
+def test_forgetting_users_keeps_the_gaps_of_the_others() -> None:
+    stats = OutputRateStats(NAMED)
+    for now in (10, 20, 30):  # the same step three times: repeated updates
+        stats.record_step(now, Counter({"alice": 1, "carol": 1}), Counter(), Counter())
+    stats.forget_users(["alice"])
+    stats.record_step(45, Counter({"alice": 1, "carol": 1}), Counter(), Counter())
+    snapshot = stats.snapshot()
+    # alice: gaps 10, 10, 15; carol: 10, 10, then forgotten (no gap).
+    assert snapshot["alice"]["gap_count"] == 3
+    assert snapshot["alice"]["gap_sum_s"] == 35 / 1e9
+    assert snapshot[OTHER_USERS]["gap_count"] == 2
+    assert snapshot[OTHER_USERS]["tokens_admitted"] == 4

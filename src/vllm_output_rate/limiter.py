@@ -186,9 +186,15 @@ class OutputRateLimiter:
         user's allowance for a step with this one call, because with
         hundreds of users a call per user showed in the step time.
         """
+        clock_ns = self._clock()
+        if wanted and wanted == self._group_taken and self._group_is_free(clock_ns):
+            # Steady decoding: the group asks for the same again and every
+            # member is free, so it is renewed at this clock reading.
+            self._group_now_ns = clock_ns
+            self._group_taken = dict(wanted)
+            return dict(wanted)
         if "" in wanted:
             raise ValueError("user name must be a non-empty string, got ''")
-        clock_ns = self._clock()
         # Users with their own rate are always taken one by one; everyone
         # else together, as the group, when possible.
         own_rate = self._overrides.keys() & wanted.keys()
@@ -199,7 +205,8 @@ class OutputRateLimiter:
             self._group_now_ns = clock_ns
             self._group_taken = group
             got = dict(group)
-            got.update(self._take_each({u: wanted[u] for u in own_rate}, clock_ns))
+            if own_rate:
+                got.update(self._take_each({u: wanted[u] for u in own_rate}, clock_ns))
             return got
         self._materialize_group()
         return self._take_each(wanted, clock_ns)
@@ -234,18 +241,14 @@ class OutputRateLimiter:
         except for users with a per-user TAT, which are looked at one by one
         (and leave it: they join the group at most once in a row).
         """
-        if not group:
+        if not group or not self._group_is_free(clock_ns):
             return False
         default = self._default
-        current = self._group_taken
-        elapsed = (clock_ns - self._group_now_ns) * default.scale
-        if current and max(current.values()) * default.interval > elapsed:
-            return False  # someone in the current group is still ahead of now
         counts = group.values()
         if min(counts) < 1 or max(counts) > default.burst // default.interval + 1:
             return False  # not granted in full (or a count of 0)
         tats = self._tat
-        with_tat = tats.keys() & group.keys()
+        with_tat = tats.keys() & group.keys() if tats else None
         if with_tat:
             now = clock_ns * default.scale
             if any(tats[user] > now for user in with_tat):
@@ -254,6 +257,16 @@ class OutputRateLimiter:
                 del tats[user]  # in the past: the same as no entry
         # Current members not asking now are free: forgetting them is exact.
         return True
+
+    def _group_is_free(self, clock_ns: int) -> bool:
+        """Whether no member of the current group is ahead of ``clock_ns``
+        (the one with the largest count decides)."""
+        current = self._group_taken
+        if not current:
+            return True
+        default = self._default
+        elapsed = (clock_ns - self._group_now_ns) * default.scale
+        return max(current.values()) * default.interval <= elapsed
 
     def _materialize_group(self) -> None:
         """Turn the group back into per-user TATs."""

@@ -138,6 +138,8 @@ class OutputRateMixin:
         # step's demand, kept up to date without a pass over the requests.
         self._user_by_id: dict[str, str] = {}
         self._unfinished: Counter[str] = Counter()
+        # vLLM's own hook, bound once: the fast path's stand-in for ours.
+        self._stock_hook = super()._reserve_prefill_lookahead  # type: ignore[misc]
         self._dispatch_log = DispatchLog.from_env()
         self.output_rate_stats = OutputRateStats(settings.user_rates)
         self._limits_file = (
@@ -201,9 +203,7 @@ class OutputRateMixin:
         fast = everyone_covered and len(self.running) <= self.output_rate_active_cap
         moved_arrivals = self._plan_step() if self._engaged and not fast else {}
         if fast:
-            self.__dict__["_reserve_prefill_lookahead"] = (
-                super()._reserve_prefill_lookahead  # type: ignore[misc]
-            )
+            self.__dict__["_reserve_prefill_lookahead"] = self._stock_hook
         try:
             output = super().schedule(throttle_prefills)  # type: ignore[misc]
         finally:
@@ -295,15 +295,16 @@ class OutputRateMixin:
             for request in preempted:
                 self.waiting.add_request(request)
 
-    def _charge_dispatched(self, output: SchedulerOutput) -> Counter[str]:
+    def _charge_dispatched(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Fast path: charge each user the sampling chunks dispatched."""
         served = self._count_sampled(output.num_scheduled_tokens)
         if not self._budget.spend_counts(served):
             logger.warning("A step dispatched more tokens than it reserved: %s", served)
         return served
 
-    def _count_sampled(self, scheduled: Mapping[str, int]) -> Counter[str]:
-        """Sampled tokens per user among the requests scheduled in the step.
+    def _count_sampled(self, scheduled: Mapping[str, int]) -> Mapping[str, int]:
+        """Sampled tokens per user among the requests scheduled in the step
+        (read-only: it may be the live count of unfinished requests).
 
         A chunk that did not reach the end of the sequence samples nothing.
         vLLM keeps such requests in ``_inflight_prefills`` until their last
@@ -314,6 +315,10 @@ class OutputRateMixin:
         test the hook applies before dispatch.
         """
         if not self._inflight_prefills:  # type: ignore[attr-defined]
+            if len(scheduled) == len(self._user_by_id):
+                # Every unfinished request was scheduled (the map is exact
+                # after _count_unfinished): each user sampled its demand.
+                return self._unfinished
             served = Counter(map(self._user_by_id.get, scheduled))
             if None not in served:
                 return served  # type: ignore[return-value]
@@ -343,7 +348,7 @@ class OutputRateMixin:
     def _settle(
         self,
         output: SchedulerOutput,
-        served: Counter[str],
+        served: Mapping[str, int],
         undispatched: Mapping[str, int],
     ) -> None:
         """The single refund point, plus bookkeeping for the next step."""

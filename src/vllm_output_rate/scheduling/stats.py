@@ -4,7 +4,9 @@ Label cardinality stays bounded: users named in the configuration keep their
 own label, requests without a user are ``__anonymous__``, and every other
 user is counted under ``__other__``, so a million distinct names cannot blow
 up the metrics. Updates cost O(users served in the step), not O(tokens), and
-the per-user part runs in C (``map``/``Counter``).
+the per-user part runs in C (``map``/``Counter``). A step that serves exactly
+what the previous one served (steady decoding) costs O(labels): it repeats
+that step's per-label update with one new gap.
 """
 
 from __future__ import annotations
@@ -42,14 +44,42 @@ class LabelStats:
         self.gap_count += times
 
 
+@dataclass
+class _LastStep:
+    """The latest step's tokens per user, and what they added per label.
+
+    Its users' dispatch time is kept here rather than per user: a next step
+    that serves exactly the same counts adds the same per label, with one gap
+    (from this step to that one) per user.
+    """
+
+    served: dict[str, int]
+    time_ns: int
+    per_label: list[tuple[LabelStats, int, int]]  # (stats, users, tokens)
+
+    def repeat(self, now_ns: int) -> None:
+        gap_ns = now_ns - self.time_ns
+        for stats, users, tokens in self.per_label:
+            stats.observe_gap(gap_ns, users)
+            stats.tokens_admitted += tokens
+            if tokens > users:
+                stats.observe_gap(0, tokens - users)  # same step: gap 0
+        self.time_ns = now_ns
+
+
 class OutputRateStats:
     def __init__(self, named_users: Iterable[str]) -> None:
         self._named = set(named_users)
         self._labels: dict[str, LabelStats] = {}
+        # Each user's latest dispatch time, except the latest step's users
+        # (self._last_step).
         self._last_dispatch_ns: dict[str, int] = {}
+        self._last_step: _LastStep | None = None
         self._label_by_user: dict[str, str] = {}
+        self._any_resident_throttled = False
 
     def set_named_users(self, named_users: Iterable[str]) -> None:
+        self._close_last_step()  # its per-label update uses the old labels
         self._named = set(named_users)
         self._label_by_user.clear()
 
@@ -79,46 +109,65 @@ class OutputRateStats:
     def record_step(
         self,
         now_ns: int,
-        served: Counter[str],
+        served: Mapping[str, int],
         refunded: Mapping[str, int],
         throttled: Mapping[str, int],
     ) -> None:
-        """One scheduler step: tokens dispatched, refunds and skipped requests.
-
-        Users served in the same earlier step share one gap, so gaps are
-        observed per (label, previous dispatch time), not per user.
-        """
+        """One scheduler step: tokens dispatched, refunds and skipped requests."""
         if served:
-            labels = self._labels_of(served)
-            previous = map(self._last_dispatch_ns.get, served)
-            groups = Counter(zip(labels, previous, strict=True))
-            for (label, last), users in groups.items():
-                if last is not None:
-                    self._stats(label).observe_gap(now_ns - last, users)
-            users_per_label = Counter(labels)
-            tokens_per_label = users_per_label
-            if served.total() != len(served):  # someone got several tokens
-                tokens_per_label = Counter()
-                for label, count in zip(labels, served.values(), strict=True):
-                    tokens_per_label[label] += count
-            for label, tokens in tokens_per_label.items():
-                stats = self._stats(label)
-                stats.tokens_admitted += tokens
-                if tokens > users_per_label[label]:
-                    # Tokens dispatched in the same step: gap 0.
-                    stats.observe_gap(0, tokens - users_per_label[label])
-            self._last_dispatch_ns.update(dict.fromkeys(served, now_ns))
+            last = self._last_step
+            # A plain dict on one side keeps the comparison in C (Counter's
+            # own __eq__ is a Python loop).
+            if last is not None and last.served == served:
+                last.repeat(now_ns)
+            else:
+                self._record_served(now_ns, served)
         for user, count in refunded.items():
             self._stats(self.label_of(user)).refunds += count
-        for stats in self._labels.values():
-            stats.resident_throttled = 0
+        if self._any_resident_throttled:
+            for stats in self._labels.values():
+                stats.resident_throttled = 0
+        self._any_resident_throttled = bool(throttled)
         for user, count in throttled.items():
             stats = self._stats(self.label_of(user))
             stats.throttled_request_steps += count
             stats.resident_throttled += count
 
+    def _record_served(self, now_ns: int, served: Mapping[str, int]) -> None:
+        """Users served in the same earlier step share one gap, so gaps are
+        observed per (label, previous dispatch time), not per user."""
+        self._close_last_step()
+        labels = self._labels_of(served)
+        previous = map(self._last_dispatch_ns.get, served)
+        groups = Counter(zip(labels, previous, strict=True))
+        for (label, last), users in groups.items():
+            if last is not None:
+                self._stats(label).observe_gap(now_ns - last, users)
+        users_per_label = Counter(labels)
+        tokens_per_label = users_per_label
+        if sum(served.values()) != len(served):  # someone got several tokens
+            tokens_per_label = Counter()
+            for label, count in zip(labels, served.values(), strict=True):
+                tokens_per_label[label] += count
+        per_label = []
+        for label, tokens in tokens_per_label.items():
+            stats = self._stats(label)
+            users = users_per_label[label]
+            stats.tokens_admitted += tokens
+            if tokens > users:
+                stats.observe_gap(0, tokens - users)  # same step: gap 0
+            per_label.append((stats, users, tokens))
+        self._last_step = _LastStep(dict(served), now_ns, per_label)
+
+    def _close_last_step(self) -> None:
+        """Write the latest step's dispatch time per user."""
+        if self._last_step is not None:
+            last, self._last_step = self._last_step, None
+            self._last_dispatch_ns.update(dict.fromkeys(last.served, last.time_ns))
+
     def forget_users(self, keep: Iterable[str]) -> None:
         """Drop per-user gap state of users not in ``keep`` (memory bound)."""
+        self._close_last_step()
         kept = set(keep)
         self._last_dispatch_ns = {
             u: t for u, t in self._last_dispatch_ns.items() if u in kept
