@@ -179,18 +179,3 @@ def tokens_between(result: LoadResult, user: str | None, lo: float, hi: float) -
         for t, n in r.chunks
         if lo <= t <= hi
     )
-
-
-def rate_until(result: LoadResult, user: str | None, until_s: float) -> float | None:
-    """Client-side span rate over the user's tokens up to ``until_s``: the
-    tokens after the first chunk, divided by first-to-last chunk time."""
-    chunks = sorted(
-        (t, n) for r in result.records if r.user == user for t, n in r.chunks
-    )
-    chunks = [c for c in chunks if c[0] <= until_s]
-    if len(chunks) < 2:
-        return None
-    span = chunks[-1][0] - chunks[0][0]
-    if span <= 0:
-        return None
-    return (sum(n for _, n in chunks) - chunks[0][1]) / span
