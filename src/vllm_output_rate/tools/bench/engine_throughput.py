@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from vllm_output_rate.tools.bench import step_timing
 from vllm_output_rate.tools.bench.measure import OthersCpu
 from vllm_output_rate.tools.bench.report_format import median, quartiles
 from vllm_output_rate.tools.bench.servers import DEFAULT_LIMIT, log
@@ -98,11 +99,23 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 class _Engine:
-    def __init__(self, kind: str, model: str, log_path: str) -> None:
-        env = {**os.environ, **DEFAULT_ENV}
+    def __init__(self, kind: str, model: str, work_dir: Path) -> None:
+        hook_dir = work_dir / "step-timing-hook"
+        hook_dir.mkdir(parents=True, exist_ok=True)
+        (hook_dir / "sitecustomize.py").write_text(step_timing.HOOK)
+        self.timing_path = str(work_dir / f"step-timing-{kind}.json")
+        env = {
+            **os.environ,
+            **DEFAULT_ENV,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(hook_dir), os.environ.get("PYTHONPATH", "")) if p
+            ),
+            step_timing.PATH_ENV: self.timing_path,
+        }
         if kind == "stock":
             env["VLLM_PLUGINS"] = ""  # the plugin is not even loaded
         self.kind = kind
+        log_path = str(work_dir / f"engine-{kind}.log")
         self._log = open(log_path, "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, "--child", kind, "--model", model],
@@ -199,7 +212,7 @@ def engine_throughput(
     try:
         for kind in KINDS:  # one at a time: start-up is CPU-heavy
             started = time.monotonic()
-            engines[kind] = _Engine(kind, model, str(work_dir / f"engine-{kind}.log"))
+            engines[kind] = _Engine(kind, model, work_dir)
             log(f"engine {kind} ready after {time.monotonic() - started:.0f} s")
         runs: list[dict[str, Any]] = []
         for i in range(rounds):
@@ -225,6 +238,7 @@ def engine_throughput(
                     f"(waited {idle_wait_s:.1f} s for idle engines)"
                 )
         scheduler_cls = {k: e.info.get("scheduler_cls") for k, e in engines.items()}
+        timing = {k: step_timing.read(e.timing_path) for k, e in engines.items()}
     finally:
         for engine in engines.values():
             engine.close()
@@ -240,6 +254,7 @@ def engine_throughput(
         "max_tokens": MAX_TOKENS,
         "generates_per_round": GENERATES_PER_ROUND,
         "scheduler_cls": scheduler_cls,
+        "step_timing": timing,
         "runs": runs,
         "ratios": ratios,
         "ratio_median": ratio,

@@ -321,4 +321,29 @@ def format_engine_part(r: dict[str, Any]) -> list[str]:
         f"target >= {r['target']:.2f}: {verdict(r['met'])}.",
         "",
     ]
-    return lines
+    return lines + format_step_timing(e)
+
+
+def format_step_timing(e: dict[str, Any]) -> list[str]:
+    timing = e.get("step_timing") or {}
+    stock, ours = timing.get("stock"), timing.get("ours")
+    if not stock or not ours:
+        return ["(The engines' schedule() timing was not recorded.)", ""]
+    added = ours["schedule_us"] - ours["vllm_schedule_us"]
+    # Every decode step samples one token per stream.
+    step_us = e["streams"] / median([x["tok_s"] for x in e["runs"]]) * 1e6
+    return [
+        "Time per `schedule()` call inside these engine cores over the whole "
+        "benchmark (a benchmark-only hook, `tools/bench/step_timing.py`, in "
+        "both engines): stock "
+        f"{stock['schedule_us']:.1f} µs; ours {ours['schedule_us']:.1f} µs, of "
+        f"which vLLM's own `schedule()` {ours['vllm_schedule_us']:.1f} µs, so "
+        f"the plugin adds **{added:.1f} µs per step**, "
+        f"{added / step_us:.1%} of an engine step here (about {step_us:,.0f} "
+        f"µs: {e['streams']} tokens per step at the median rate). Over "
+        f"{ours['steps']:,} and {stock['steps']:,} steps. The scheduler "
+        "benchmark below runs steps back to back with warm caches; inside an "
+        "engine, which waits for the model between steps, the same code costs "
+        "more (cold caches).",
+        "",
+    ]
