@@ -137,7 +137,9 @@ class OutputRateMixin:
         # Each unfinished request's user, and their count per user: the
         # step's demand, kept up to date without a pass over the requests.
         self._user_by_id: dict[str, str] = {}
-        self._unfinished: Counter[str] = Counter()
+        # A plain dict, not a Counter: Counter's == is a Python-level method,
+        # and this one is compared every step.
+        self._unfinished: dict[str, int] = {}
         # vLLM's own hook, bound once: the fast path's stand-in for ours.
         self._stock_hook = super()._reserve_prefill_lookahead  # type: ignore[misc]
         self._dispatch_log = DispatchLog.from_env()
@@ -178,7 +180,7 @@ class OutputRateMixin:
         if request.request_id not in self._user_by_id:
             user = _user_of(request)
             self._user_by_id[request.request_id] = user
-            self._unfinished[user] += 1
+            self._unfinished[user] = self._unfinished.get(user, 0) + 1
 
     # ----- the step -----------------------------------------------------
 
@@ -218,7 +220,7 @@ class OutputRateMixin:
         self._settle(output, served, undispatched)
         return output
 
-    def _count_unfinished(self) -> Counter[str]:
+    def _count_unfinished(self) -> dict[str, int]:
         """Unfinished requests per user, updated from vLLM's ids of requests
         finished since the last step (O(finished), not O(requests): a pass
         over thousands of cache-cold requests showed in the step time).
@@ -241,7 +243,7 @@ class OutputRateMixin:
     def _recount_unfinished(self) -> None:
         requests = self.requests  # type: ignore[attr-defined]
         self._user_by_id = {rid: _user_of(r) for rid, r in requests.items()}
-        self._unfinished = Counter(self._user_by_id.values())
+        self._unfinished = dict(Counter(self._user_by_id.values()))
 
     def _plan_step(self) -> dict[Request, float]:
         """Order the running list for this step; see the module docstring."""
