@@ -328,22 +328,28 @@ def format_step_timing(e: dict[str, Any]) -> list[str]:
     timing = e.get("step_timing") or {}
     stock, ours = timing.get("stock"), timing.get("ours")
     if not stock or not ours:
-        return ["(The engines' schedule() timing was not recorded.)", ""]
+        return ["(The engines' step timing was not recorded.)", ""]
     added = ours["schedule_us"] - ours["vllm_schedule_us"]
-    # Every decode step samples one token per stream.
-    step_us = e["streams"] / median([x["tok_s"] for x in e["runs"]]) * 1e6
     return [
-        "Time per `schedule()` call inside these engine cores over the whole "
-        "benchmark (a benchmark-only hook, `tools/bench/step_timing.py`, in "
-        "both engines): stock "
-        f"{stock['schedule_us']:.1f} µs; ours {ours['schedule_us']:.1f} µs, of "
-        f"which vLLM's own `schedule()` {ours['vllm_schedule_us']:.1f} µs, so "
-        f"the plugin adds **{added:.1f} µs per step**, "
-        f"{added / step_us:.1%} of an engine step here (about {step_us:,.0f} "
-        f"µs: {e['streams']} tokens per step at the median rate). Over "
-        f"{ours['steps']:,} and {stock['steps']:,} steps. The scheduler "
-        "benchmark below runs steps back to back with warm caches; inside an "
-        "engine, which waits for the model between steps, the same code costs "
-        "more (cold caches).",
+        "Inside the engine cores (a benchmark-only hook, "
+        "`tools/bench/step_timing.py`, times both engines alike over the whole "
+        f"benchmark, {ours['steps']:,} steps each), in µs per step:",
+        "",
+        "| | stock | ours |",
+        "|---|---:|---:|",
+        f"| `schedule()` | {stock['schedule_us']:.1f} | {ours['schedule_us']:.1f} |",
+        f"| of which vLLM's own `Scheduler.schedule` "
+        f"| {stock['vllm_schedule_us']:.1f} | {ours['vllm_schedule_us']:.1f} |",
+        f"| `update_from_output()` | {stock['update_us']:.1f} "
+        f"| {ours['update_us']:.1f} |",
+        f"| whole engine-core step (with the model, run by the worker) "
+        f"| {stock['engine_step_us']:.1f} | {ours['engine_step_us']:.1f} |",
+        "",
+        f"The plugin's own work adds **{added:.1f} µs per step**, "
+        f"{added / stock['engine_step_us']:.1%} of stock's engine step: the "
+        "cost this section is after, measured without the run-to-run noise "
+        "of the throughput ratio. The scheduler benchmark below runs steps "
+        "back to back with warm caches; inside an engine, which waits for the "
+        "model between steps, the same code costs more (cold caches).",
         "",
     ]
