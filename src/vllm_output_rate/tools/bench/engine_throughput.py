@@ -39,6 +39,10 @@ STREAMS = 32
 MAX_TOKENS = 256
 GENERATES_PER_ROUND = 4  # about 2 s of decoding per round here
 WARMUP_GENERATES = 8  # the first rounds after start-up ran a few % slow
+# Untimed, at the start of each run: the first seconds after switching from
+# one engine to the other ran 5-10 % slower than the same engine's next run
+# (so the second run of every round lost, whichever engine it was).
+WARMUP_PER_RUN = 1
 PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
 READY_TIMEOUT_S = 600.0
 ROUND_TIMEOUT_S = 300.0
@@ -82,6 +86,8 @@ def _child(kind: str, model: str) -> None:
     for line in sys.stdin:
         if line.strip() != "run":
             break
+        for _ in range(WARMUP_PER_RUN):
+            llm.generate(prompts, params, use_tqdm=False)
         tokens = 0
         started = time.perf_counter()
         for _ in range(GENERATES_PER_ROUND):

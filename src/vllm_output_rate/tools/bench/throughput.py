@@ -298,7 +298,11 @@ def format_engine_part(r: dict[str, Any]) -> list[str]:
         "`additional_config={'output_rate': {'default_user_output_tokens_per_second': "
         f"{DEFAULT_LIMIT:g}}}}}` (scheduler `{e['scheduler_cls']['ours']}`). Each "
         "engine lives in its own process for the whole benchmark; each round "
-        "runs both back to back, order alternating. This engine showed none "
+        "runs both back to back, order alternating, after waiting for both "
+        "engines' processes to go idle (vLLM's worker polls for a second "
+        "after each message), and each run starts with one untimed "
+        "generation (the first seconds after a switch of engine ran 5-10 % "
+        "slow, whichever engine it was). This engine showed none "
         "of the slow state in the investigation (16-18k tok/s over 8 rounds "
         "where the server ranged from 0.8k to 11k), so it is where a cost of "
         "the scheduler on throughput can be seen.",
