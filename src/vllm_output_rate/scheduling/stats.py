@@ -116,8 +116,8 @@ class OutputRateStats:
         """One scheduler step: tokens dispatched, refunds and skipped requests."""
         if served:
             last = self._last_step
-            # A plain dict on one side keeps the comparison in C (Counter's
-            # own __eq__ is a Python loop).
+            # last.served is a plain dict: with Counters on both sides, ==
+            # would run Counter's Python-level loop.
             if last is not None and last.served == served:
                 last.repeat(now_ns)
             else:
