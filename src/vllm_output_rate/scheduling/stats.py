@@ -57,13 +57,19 @@ class _LastStep:
     time_ns: int
     per_label: list[tuple[LabelStats, int, int]]  # (stats, users, tokens)
 
-    def repeat(self, now_ns: int) -> None:
-        gap_ns = now_ns - self.time_ns
+    def count_tokens(self) -> None:
+        """Add the step's tokens to each label's counters."""
         for stats, users, tokens in self.per_label:
-            stats.observe_gap(gap_ns, users)
             stats.tokens_admitted += tokens
             if tokens > users:
                 stats.observe_gap(0, tokens - users)  # same step: gap 0
+
+    def repeat(self, now_ns: int) -> None:
+        """The same tokens again at ``now_ns``: one gap per user since then."""
+        gap_ns = now_ns - self.time_ns
+        for stats, users, _ in self.per_label:
+            stats.observe_gap(gap_ns, users)
+        self.count_tokens()
         self.time_ns = now_ns
 
 
@@ -149,15 +155,12 @@ class OutputRateStats:
             tokens_per_label = Counter()
             for label, count in zip(labels, served.values(), strict=True):
                 tokens_per_label[label] += count
-        per_label = []
-        for label, tokens in tokens_per_label.items():
-            stats = self._stats(label)
-            users = users_per_label[label]
-            stats.tokens_admitted += tokens
-            if tokens > users:
-                stats.observe_gap(0, tokens - users)  # same step: gap 0
-            per_label.append((stats, users, tokens))
+        per_label = [
+            (self._stats(label), users_per_label[label], tokens)
+            for label, tokens in tokens_per_label.items()
+        ]
         self._last_step = _LastStep(dict(served), now_ns, per_label)
+        self._last_step.count_tokens()
 
     def _close_last_step(self) -> None:
         """Write the latest step's dispatch time per user."""

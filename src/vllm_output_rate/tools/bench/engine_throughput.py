@@ -32,7 +32,7 @@ from typing import IO, Any
 from vllm_output_rate.tools.bench import step_timing
 from vllm_output_rate.tools.bench.measure import OthersCpu
 from vllm_output_rate.tools.bench.report_format import median, quartiles
-from vllm_output_rate.tools.bench.servers import DEFAULT_LIMIT, log
+from vllm_output_rate.tools.bench.servers import DEFAULT_LIMIT, hook_python_path, log
 from vllm_output_rate.tools.server import DEFAULT_ENV
 
 STREAMS = 32
@@ -105,17 +105,12 @@ def _reply(message: dict[str, Any]) -> None:
 
 
 class _Engine:
-    def __init__(self, kind: str, model: str, work_dir: Path) -> None:
-        hook_dir = work_dir / "step-timing-hook"
-        hook_dir.mkdir(parents=True, exist_ok=True)
-        (hook_dir / "sitecustomize.py").write_text(step_timing.HOOK)
+    def __init__(self, kind: str, model: str, work_dir: Path, python_path: str) -> None:
         self.timing_path = str(work_dir / f"step-timing-{kind}.json")
         env = {
             **os.environ,
             **DEFAULT_ENV,
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(hook_dir), os.environ.get("PYTHONPATH", "")) if p
-            ),
+            "PYTHONPATH": python_path,  # with the step-timing hook first
             step_timing.PATH_ENV: self.timing_path,
         }
         if kind == "stock":
@@ -214,11 +209,12 @@ def engine_throughput(
     """Paired rounds of the same load on a stock and an 'ours' engine;
     ``settle`` runs before each measurement (the quiet-machine gate)."""
     rounds = 4 if quick else 16
+    python_path = hook_python_path(work_dir / "step-timing-hook", step_timing.HOOK)
     engines: dict[str, _Engine] = {}
     try:
         for kind in KINDS:  # one at a time: start-up is CPU-heavy
             started = time.monotonic()
-            engines[kind] = _Engine(kind, model, work_dir)
+            engines[kind] = _Engine(kind, model, work_dir, python_path)
             log(f"engine {kind} ready after {time.monotonic() - started:.0f} s")
         runs: list[dict[str, Any]] = []
         for i in range(rounds):

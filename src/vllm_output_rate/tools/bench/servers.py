@@ -52,6 +52,17 @@ if os.environ.get("{NO_IDLE_WAIT_ENV}") == "1":
 '''
 
 
+def hook_python_path(hook_dir: Path, source: str) -> str:
+    """Write ``source`` as ``hook_dir/sitecustomize.py`` (a benchmark-only
+    hook that every Python process started with the result imports) and
+    return a PYTHONPATH that puts it first."""
+    hook_dir.mkdir(parents=True, exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(source)
+    return os.pathsep.join(
+        p for p in (str(hook_dir), os.environ.get("PYTHONPATH", "")) if p
+    )
+
+
 def acc_user(limit: float, streams: int) -> str:
     return f"acc-{limit:g}x{streams}"
 
@@ -144,11 +155,8 @@ class ServerPool:
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.dispatch_log_path = self.work_dir / "dispatch.csv"
-        hook_dir = self.work_dir / "no-idle-wait-hook"
-        hook_dir.mkdir(exist_ok=True)
-        (hook_dir / "sitecustomize.py").write_text(NO_IDLE_WAIT_HOOK)
-        python_path = os.pathsep.join(
-            p for p in (str(hook_dir), os.environ.get("PYTHONPATH", "")) if p
+        python_path = hook_python_path(
+            self.work_dir / "no-idle-wait-hook", NO_IDLE_WAIT_HOOK
         )
         self.configs: dict[str, ServerConfig] = {
             "stock": ServerConfig(
