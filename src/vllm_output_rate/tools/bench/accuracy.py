@@ -324,9 +324,9 @@ def format_accuracy(results: dict[str, Any], figures_dir: Path, md_dir: Path) ->
         "this 2-core machine the HTTP front end delivers tokens with a lag "
         "that drifts by up to about 0.5 s over a run (measured while "
         "investigating: the 500 tok/s x 16 streams cell read 1.025 at the "
-        "client in one full run and 1.005 in the next, with engine rates of "
-        "1.000 in both): over 20 s that is +-2.5 %, wider than the target band "
-        "itself.",
+        "client in a full run and 1.005 in the next run of this benchmark "
+        "alone, with engine rates of 1.000 in both): over 20 s that is "
+        "+-2.5 %, wider than the target band itself.",
         "",
         "| limit | streams | max_tokens | tokens | client / limit "
         "| engine / limit | gap p50 ms | gap p99 ms | 1/limit ms | target |",
