@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Everything ruff checks and formats (mypy's files are in pyproject.toml).
+CODE := src tests benchmarks
 
-.PHONY: demo test test-fast lint bench model clean
+.PHONY: demo test test-fast lint typecheck bench model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,24 +19,28 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m vllm_output_rate.tools.tiny_model
+	$(PY) -m vllm_output_rate.demo.tiny_model
 
 demo: $(STAMP)
-	$(PY) -m vllm_output_rate.tools.demo
+	$(PY) -m vllm_output_rate.demo.run
 
-test: $(STAMP)
-	$(PY) -m ruff check src tests
+test: lint typecheck
 	$(PY) -m pytest
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check $(CODE)
+	$(PY) -m ruff format --check $(CODE)
 
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+# Benchmarks live outside the package; they share the scheduler harness
+# with the tests (tests/harness).
 bench: $(STAMP)
-	$(PY) -m vllm_output_rate.tools.bench
+	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) .cache

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_output_rate.tools.tiny_model import build_tiny_model
+from vllm_output_rate.demo.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.fake_clock import FakeClock
 from vllm_output_rate.limiter import NS_PER_SECOND, OutputRateLimiter
-from vllm_output_rate.tools.fake_clock import FakeClock
 
 BURST_NS = 100_000_000
 MS = 1_000_000

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from vllm_output_rate.config import OutputRateConfigError, validate_user_name
+from vllm_output_rate.config import API_KEYS_FLAG
+from vllm_output_rate.validation import OutputRateConfigError, validate_user_name
 
 DIGEST_PREFIX = "sha256:"
 
@@ -54,7 +55,7 @@ class ApiKeys:
 
     @classmethod
     def load(cls, path: str | Path) -> ApiKeys:
-        where = f"--output-rate-api-keys {path}"
+        where = f"{API_KEYS_FLAG} {path}"
         try:
             content = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError) as exc:

@@ -15,38 +15,23 @@ from typing import Any
 
 import yaml
 
-from vllm_output_rate.limiter import validate_rate
+from vllm_output_rate.validation import (
+    OutputRateConfigError,
+    validate_rate,
+    validate_user_name,
+)
 
 # The key under vLLM's `additional_config` that carries our settings.
 ADDITIONAL_CONFIG_KEY = "output_rate"
 DEFAULT_FLAG = "--default-user-output-tokens-per-second"
 USERS_FLAG = "--user-output-tokens-per-second"
 FILE_FLAG = "--output-rate-config"
+API_KEYS_FLAG = "--output-rate-api-keys"
 DEFAULT_KEY = "default_user_output_tokens_per_second"
 USERS_KEY = "user_output_tokens_per_second"
 FILE_KEY = "config_file"
-MAX_USER_NAME_LENGTH = 256
 # Requests that do not name a user share this budget.
 ANONYMOUS_USER = "__anonymous__"
-
-
-class OutputRateConfigError(ValueError):
-    """A setting is malformed; the message names the option and the value."""
-
-
-def validate_user_name(user: object, where: str) -> str:
-    if not isinstance(user, str):
-        raise OutputRateConfigError(
-            f"{where}: user name must be a string, got {user!r}"
-        )
-    if not user:
-        raise OutputRateConfigError(f"{where}: user name must not be empty")
-    if len(user) > MAX_USER_NAME_LENGTH:
-        raise OutputRateConfigError(
-            f"{where}: user name {user[:40]!r}... is {len(user)} characters long; "
-            f"the limit is {MAX_USER_NAME_LENGTH}"
-        )
-    return user
 
 
 def _check_object(
@@ -62,14 +47,8 @@ def _check_object(
     return value
 
 
-def _rate(value: object, where: str) -> float:
-    try:
-        return validate_rate(value, where)
-    except ValueError as exc:
-        raise OutputRateConfigError(str(exc)) from None
-
-
-def _user_rates(value: object, where: str) -> dict[str, float]:
+def parse_user_rates(value: object, where: str) -> dict[str, float]:
+    """A JSON object (or its text) of user name to tok/s, validated."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -83,7 +62,9 @@ def _user_rates(value: object, where: str) -> dict[str, float]:
             f"got {value!r}"
         )
     return {
-        validate_user_name(user, where): _rate(rate, f"{where}: rate of user {user!r}")
+        validate_user_name(user, where): validate_rate(
+            rate, f"{where}: rate of user {user!r}"
+        )
         for user, rate in value.items()
     }
 
@@ -147,8 +128,8 @@ def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
     _check_object(content, (DEFAULT_KEY, USERS_KEY), where)
     default = content.get(DEFAULT_KEY)
     return (
-        None if default is None else _rate(default, f"{where}: {DEFAULT_KEY}"),
-        _user_rates(content.get(USERS_KEY) or {}, f"{where}: {USERS_KEY}"),
+        None if default is None else validate_rate(default, f"{where}: {DEFAULT_KEY}"),
+        parse_user_rates(content.get(USERS_KEY) or {}, f"{where}: {USERS_KEY}"),
     )
 
 
@@ -169,9 +150,9 @@ def merge_settings(
         load_limits_file(config_file) if config_file else (None, {})
     )
     if user_rates is not None:
-        merged_users.update(_user_rates(user_rates, users_source))
+        merged_users.update(parse_user_rates(user_rates, users_source))
     if default_rate is not None:
-        default = _rate(default_rate, default_source)
+        default = validate_rate(default_rate, default_source)
     elif file_default is not None:
         default = file_default
     elif merged_users:
@@ -215,7 +196,7 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
     if not isinstance(remove, list):
         raise OutputRateConfigError(f"{REMOVE_KEY}: expected a list, got {remove!r}")
     return LimitsUpdate(
-        default_rate=None if default is None else _rate(default, DEFAULT_KEY),
-        user_rates=_user_rates(payload.get(USERS_KEY, {}), USERS_KEY),
+        default_rate=None if default is None else validate_rate(default, DEFAULT_KEY),
+        user_rates=parse_user_rates(payload.get(USERS_KEY, {}), USERS_KEY),
         remove_users=tuple(validate_user_name(u, REMOVE_KEY) for u in remove),
     )

@@ -10,11 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_output_rate.config import (
-    ANONYMOUS_USER,
-    OutputRateConfigError,
-    validate_user_name,
-)
+from vllm_output_rate.config import ANONYMOUS_USER
+from vllm_output_rate.validation import OutputRateConfigError, validate_user_name
 
 USER_FIELD = "output_rate_user"
 

@@ -20,30 +20,15 @@ millions of tokens; only ``ready_at_ns`` rounds, and it rounds up.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
+from vllm_output_rate.validation import validate_rate, validate_user_name
+
 NS_PER_SECOND = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000  # 100 ms, as in the specification
-
-
-def validate_rate(rate: object, what: str = "rate") -> float:
-    """Return ``rate`` as a float, or raise ValueError naming the bad value."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
-        raise ValueError(f"{what} must be a number of tokens per second, got {rate!r}")
-    if not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"{what} must be a finite number > 0, got {rate!r}")
-    return float(rate)
-
-
-def validate_user(user: object) -> str:
-    """Return ``user`` if it is a non-empty string, else raise ValueError."""
-    if not isinstance(user, str) or not user:
-        raise ValueError(f"user name must be a non-empty string, got {user!r}")
-    return user
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +81,7 @@ class OutputRateLimiter:
         )
         self._overrides: dict[str, _ScaledRate] = {}
         for user, rate in (user_rates or {}).items():
-            validate_user(user)
+            validate_user_name(user)
             self._overrides[user] = _ScaledRate.from_rate(
                 validate_rate(rate, f"rate of user {user!r}"), burst_ns
             )
@@ -151,10 +136,10 @@ class OutputRateLimiter:
         )
         overrides = dict(self._overrides)
         for user in remove_users:
-            validate_user(user)
+            validate_user_name(user)
             overrides.pop(user, None)
         for user, rate in (user_rates or {}).items():
-            validate_user(user)
+            validate_user_name(user)
             overrides[user] = _ScaledRate.from_rate(
                 validate_rate(rate, f"rate of user {user!r}"), self._burst_ns
             )
@@ -194,7 +179,7 @@ class OutputRateLimiter:
             self._group_taken = dict(wanted)
             return dict(wanted)
         if "" in wanted:
-            raise ValueError("user name must be a non-empty string, got ''")
+            validate_user_name("")
         # Users with their own rate are always taken one by one; everyone
         # else together, as the group, when possible.
         own_rate = self._overrides.keys() & wanted.keys()

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from vllm_output_rate.tools.loadgen import LoadSpec, UserLoad, run_load_sync
-from vllm_output_rate.tools.server import running_server
+from vllm_output_rate.demo.server import running_server
+from vllm_output_rate.loadtest.loadgen import LoadSpec, UserLoad, run_load_sync
 
 pytestmark = pytest.mark.e2e
 

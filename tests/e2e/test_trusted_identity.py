@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from vllm_output_rate.api_keys import digest
-from vllm_output_rate.tools.server import running_server
+from vllm_output_rate.demo.server import running_server
 
 pytestmark = pytest.mark.e2e
 

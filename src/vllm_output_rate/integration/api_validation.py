@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_output_rate.config import OutputRateConfigError
 from vllm_output_rate.identity import USER_FIELD, user_from_extra_args
 from vllm_output_rate.integration import engine_setup
 from vllm_output_rate.integration.trusted_identity import apply_verified_user
+from vllm_output_rate.validation import OutputRateConfigError
 
 
 def check_sampling_params(params: Any) -> None:

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
+    API_KEYS_FLAG,
     DEFAULT_FLAG,
     FILE_FLAG,
     USERS_FLAG,
-    OutputRateConfigError,
     OutputRateSettings,
     merge_settings,
+    parse_user_rates,
 )
-from vllm_output_rate.integration.trusted_identity import API_KEYS_FLAG
-from vllm_output_rate.limiter import validate_rate
+from vllm_output_rate.validation import OutputRateConfigError, validate_rate
 
 GROUP_TITLE = "OutputRateLimit"
 
@@ -28,12 +27,11 @@ def _rate_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _users_arg(text: str) -> dict[str, Any]:
+def _users_arg(text: str) -> dict[str, float]:
     try:
-        merge_settings(default_rate=1, user_rates=text)  # validates names and rates
+        return parse_user_rates(text, USERS_FLAG)
     except OutputRateConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return json.loads(text)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

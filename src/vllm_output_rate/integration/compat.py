@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from vllm_output_rate.config import OutputRateConfigError
+from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

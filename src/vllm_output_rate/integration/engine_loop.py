@@ -15,11 +15,11 @@ from typing import Any
 
 
 def wait_for_budget(engine_core: Any) -> None:
-    scheduler = getattr(engine_core, "scheduler", None)
-    idle_wait = getattr(scheduler, "output_rate_idle_wait_s", None)
-    if idle_wait is None:
+    # Our schedulers hold their policy as `output_rate`; vLLM's have none.
+    policy = getattr(getattr(engine_core, "scheduler", None), "output_rate", None)
+    if policy is None:
         return  # stock scheduler: nothing to do
-    timeout_s = idle_wait()
+    timeout_s = policy.idle_wait_s()
     if timeout_s <= 0:
         return
     input_queue = getattr(engine_core, "input_queue", None)

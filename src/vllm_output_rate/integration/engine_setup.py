@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from vllm_output_rate.config import OutputRateConfigError, OutputRateSettings
+from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.integration.compat import check_supported_config
+from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -23,10 +24,10 @@ CPU_ASYNC_ENV = "VLLM_OUTPUT_RATE_CPU_ASYNC_SCHEDULING"
 limiting_enabled = False
 
 
-def _qualname(scheduler_cls: object) -> str:
+def _qualname(scheduler_cls: str | type) -> str:
     if isinstance(scheduler_cls, str):
         return scheduler_cls
-    return f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"  # type: ignore[attr-defined]
+    return f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}"
 
 
 def apply_output_rate(vllm_config: VllmConfig) -> OutputRateSettings | None:

@@ -28,11 +28,12 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
 from vllm_output_rate.api_keys import ApiKeys
-from vllm_output_rate.config import OutputRateConfigError, parse_limits_update
+from vllm_output_rate.config import parse_limits_update
 from vllm_output_rate.integration import engine_setup
-from vllm_output_rate.integration.engine_rpc import RPC_METHOD
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
+from vllm_output_rate.seams import RPC_METHOD
+from vllm_output_rate.validation import OutputRateConfigError
 
 logger = logging.getLogger("vllm.output_rate")
 ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
@@ -52,7 +53,7 @@ class OutputRateHttpPlugin:
         self._admin_key = os.environ.get(ADMIN_KEY_ENV) or None
         self._engine: Any = None
         self._collector = OutputRateCollector()
-        self._poller: asyncio.Task | None = None
+        self._poller: asyncio.Task[None] | None = None
         self.api_keys: ApiKeys | None = None  # read by the middleware
 
     # ----- vLLM's EndpointPlugin protocol -------------------------------

@@ -16,7 +16,6 @@ from typing import Any
 from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.identity import USER_FIELD
 
-API_KEYS_FLAG = "--output-rate-api-keys"
 # The verified user of the request being handled (set by the middleware,
 # read where vLLM builds the request's sampling parameters).
 verified_user: ContextVar[str | None] = ContextVar("output_rate_user", default=None)
@@ -31,7 +30,7 @@ class TrustedIdentityMiddleware:
         self.app = app
         self._holder = keys_holder  # has .api_keys: ApiKeys | None
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         keys: ApiKeys | None = self._holder.api_keys
         if (
             keys is None
@@ -53,12 +52,12 @@ class TrustedIdentityMiddleware:
             verified_user.reset(token)
 
 
-def _bearer_token(scope: dict) -> str:
+def _bearer_token(scope: dict[str, Any]) -> str:
     for name, value in scope.get("headers", []):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer":
-                return token.strip()
+                return str(token).strip()
     return ""
 
 

@@ -12,8 +12,9 @@ import os
 import time
 from collections.abc import Callable
 
-from vllm_output_rate.config import OutputRateConfigError, load_limits_file
+from vllm_output_rate.config import load_limits_file
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.validation import OutputRateConfigError
 
 CHECK_INTERVAL_S = 1.0
 

@@ -104,13 +104,13 @@ class OutputRateStats:
         # Cached, so that a step with hundreds of users costs C-level map()
         # calls rather than a Python call per user.
         cache = self._label_by_user
-        labels = list(map(cache.get, users))
-        if None in labels:
+        try:
+            return list(map(cache.__getitem__, users))
+        except KeyError:  # a user not seen before
             for user in users:
                 if user not in cache:
                     cache[user] = self.label_of(user)
-            labels = list(map(cache.__getitem__, users))
-        return labels
+            return list(map(cache.__getitem__, users))
 
     def record_step(
         self,

@@ -1,0 +1,276 @@
+"""1b. Engine throughput when limits do not bind: the throughput benchmark's
+load through vLLM's offline ``LLM`` class, stock against ours, paired rounds.
+
+``LLM`` runs the same engine-core and model-worker processes, scheduler, KV
+cache manager and model as the OpenAI server, without the HTTP front end. On
+this 2-core machine the server's throughput for one and the same load varies
+up to tenfold between runs, for stock vLLM and ours alike (the slow state in
+section 1), while the engine driven this way has not shown that state; so
+the scheduler's effect on throughput is measured here, and the server figure
+is kept beside it.
+
+Each server kind lives in its own child process (``--child``) for the whole
+benchmark, so start-up is paid once; the parent sends ``run`` and reads one
+JSON line per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks import step_timing
+from benchmarks.measure import OthersCpu
+from benchmarks.report_format import median, quartiles
+from benchmarks.servers import DEFAULT_LIMIT, hook_python_path, log
+from vllm_output_rate.demo.server import DEFAULT_ENV
+
+STREAMS = 32
+MAX_TOKENS = 256
+GENERATES_PER_ROUND = 4  # about 2 s of decoding per round here
+WARMUP_GENERATES = 8  # the first rounds after start-up ran a few % slow
+# Untimed, at the start of each run: the first seconds after switching from
+# one engine to the other ran 5-10 % slower than the same engine's next run
+# (so the second run of every round lost, whichever engine it was).
+WARMUP_PER_RUN = 1
+PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
+READY_TIMEOUT_S = 600.0
+ROUND_TIMEOUT_S = 300.0
+KINDS = ("stock", "ours")
+# After each message vLLM's model worker keeps polling its shared-memory
+# queue for a second (SpinCondition.busy_loop_s), pinned to the same core as
+# the other engine's worker: a run that starts within that second shares the
+# core with it. Before each run, wait until both engines' processes are idle.
+IDLE_CORES = 0.1
+IDLE_SAMPLE_S = 0.25
+IDLE_MAX_WAIT_S = 10.0
+
+
+# ----- child: one LLM, driven over stdin/stdout ------------------------------
+
+
+def _child(kind: str, model: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    extra: dict[str, Any] = {}
+    if kind == "ours":
+        extra["additional_config"] = {
+            "output_rate": {"default_user_output_tokens_per_second": DEFAULT_LIMIT}
+        }
+    # The same engine settings as the benchmark servers (demo/server.py and
+    # servers.SERVER_ARGS).
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_seqs=64,
+        **extra,
+    )
+    scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * STREAMS
+    for _ in range(WARMUP_GENERATES):
+        llm.generate(prompts, params, use_tqdm=False)
+    _reply({"ready": True, "scheduler_cls": str(scheduler_cls)})
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        for _ in range(WARMUP_PER_RUN):
+            llm.generate(prompts, params, use_tqdm=False)
+        tokens = 0
+        started = time.perf_counter()
+        for _ in range(GENERATES_PER_ROUND):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+        _reply({"tokens": tokens, "seconds": time.perf_counter() - started})
+
+
+def _reply(message: dict[str, Any]) -> None:
+    # stdout carries only these lines; vLLM logs to stderr.
+    print("@@" + json.dumps(message), flush=True)
+
+
+# ----- parent ------------------------------------------------------------------
+
+
+class _Engine:
+    def __init__(self, kind: str, model: str, work_dir: Path, python_path: str) -> None:
+        self.timing_path = str(work_dir / f"step-timing-{kind}.json")
+        env = {
+            **os.environ,
+            **DEFAULT_ENV,
+            "PYTHONPATH": python_path,  # with the step-timing hook first
+            step_timing.PATH_ENV: self.timing_path,
+        }
+        if kind == "stock":
+            env["VLLM_PLUGINS"] = ""  # the plugin is not even loaded
+        self.kind = kind
+        log_path = str(work_dir / f"engine-{kind}.log")
+        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, "--child", kind, "--model", model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        # A blocking readline cannot time out, so a thread reads the replies
+        # and _read waits on the queue with the deadline.
+        self._replies: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        try:
+            self.info = self._read(READY_TIMEOUT_S)
+        except BaseException:
+            self.process.kill()  # it failed to start: nothing to wait for
+            self.close()
+            raise
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the child and its engine processes."""
+        import psutil
+
+        total = 0.0
+        try:
+            leader = psutil.Process(self.process.pid)
+            for proc in [leader, *leader.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = proc.cpu_times()
+                    total += times.user + times.system
+        except psutil.Error:
+            pass
+        return total
+
+    def _pump(self) -> None:
+        stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
+        for line in stdout:
+            if line.startswith("@@"):
+                self._replies.put(line[2:])
+        self._replies.put(None)  # the child closed its stdout: it exited
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"engine child {self.kind} did not answer in {timeout_s:g} s "
+                f"(log: {self._log.name})"
+            ) from None
+        if reply is None:
+            raise RuntimeError(
+                f"engine child {self.kind} exited (log: {self._log.name})"
+            )
+        return json.loads(reply)
+
+    def run_round(self) -> dict[str, Any]:
+        stdin: IO[str] = self.process.stdin  # type: ignore[assignment]
+        stdin.write("run\n")
+        stdin.flush()
+        return self._read(ROUND_TIMEOUT_S)
+
+    def close(self) -> None:
+        try:
+            if self.process.stdin and not self.process.stdin.closed:
+                self.process.stdin.close()
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            self._log.close()
+
+
+def wait_until_idle(engines: list[_Engine]) -> float:
+    """Wait (at most IDLE_MAX_WAIT_S) until the engines' processes together
+    use under IDLE_CORES cores; returns the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < IDLE_MAX_WAIT_S:
+        before = sum(e.cpu_seconds() for e in engines)
+        time.sleep(IDLE_SAMPLE_S)
+        if sum(e.cpu_seconds() for e in engines) - before < IDLE_CORES * IDLE_SAMPLE_S:
+            break
+    return time.monotonic() - started
+
+
+def engine_throughput(
+    model: str, work_dir: Path, settle: Callable[[], float], quick: bool = False
+) -> dict[str, Any]:
+    """Paired rounds of the same load on a stock and an 'ours' engine;
+    ``settle`` runs before each measurement (the quiet-machine gate)."""
+    rounds = 4 if quick else 16
+    python_path = hook_python_path(work_dir / "step-timing-hook", step_timing.HOOK)
+    engines: dict[str, _Engine] = {}
+    try:
+        for kind in KINDS:  # one at a time: start-up is CPU-heavy
+            started = time.monotonic()
+            engines[kind] = _Engine(kind, model, work_dir, python_path)
+            log(f"engine {kind} ready after {time.monotonic() - started:.0f} s")
+        runs: list[dict[str, Any]] = []
+        for i in range(rounds):
+            order = KINDS if i % 2 == 0 else KINDS[::-1]
+            for kind in order:
+                idle_wait_s = wait_until_idle(list(engines.values()))
+                settle()
+                with OthersCpu() as others:
+                    reply = engines[kind].run_round()
+                rate = reply["tokens"] / reply["seconds"]
+                runs.append(
+                    {
+                        "round": i,
+                        "engine": kind,
+                        "tok_s": rate,
+                        "tokens": reply["tokens"],
+                        "others_cores": others.cores,
+                        "idle_wait_s": idle_wait_s,
+                    }
+                )
+                log(
+                    f"engine round {i + 1}/{rounds} {kind}: {rate:,.0f} tok/s "
+                    f"(waited {idle_wait_s:.1f} s for idle engines)"
+                )
+        scheduler_cls = {k: e.info.get("scheduler_cls") for k, e in engines.items()}
+        timing = {k: step_timing.read(e.timing_path) for k, e in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ratios = []
+    for i in range(rounds):
+        rate = {r["engine"]: r["tok_s"] for r in runs if r["round"] == i}
+        ratios.append(rate["ours"] / rate["stock"])
+    ratio = median(ratios)
+    q1, q3 = quartiles(ratios)
+    return {
+        "rounds": rounds,
+        "streams": STREAMS,
+        "max_tokens": MAX_TOKENS,
+        "generates_per_round": GENERATES_PER_ROUND,
+        "scheduler_cls": scheduler_cls,
+        "step_timing": timing,
+        "runs": runs,
+        "ratios": ratios,
+        "ratio_median": ratio,
+        "ratio_quartiles": [q1, q3],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=KINDS, required=True)
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    _child(args.child, args.model)
+
+
+if __name__ == "__main__":
+    main()

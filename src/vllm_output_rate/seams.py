@@ -1,0 +1,234 @@
+"""Every vLLM internal this plugin relies on, in one module, checked.
+
+vLLM offers ``scheduler_cls``, plugin entry points and ``additional_config``;
+everything else the plugin needs is listed here: the methods it wraps or
+overrides (with the parameters it relies on), the facts about vLLM's source
+it relies on, and the scheduler attributes it reads and writes
+(``SchedulerHost``). ``verify_seams()`` runs when the plugin loads and in the
+tests, and ``check_host()`` when our scheduler starts, so a vLLM upgrade that
+moves one fails loudly instead of silently turning limiting off. This module
+imports vLLM only inside those checks; the scheduling policy and the
+integration both import it, and it imports neither.
+
+Wrapped by the plugin (``integration/plugin.py``), in the process where vLLM
+calls them:
+
+* ``EngineArgs.add_cli_args``: adds the plugin's flags to vLLM's parser.
+* ``EngineArgs.from_cli_args``: carries the flags into ``additional_config``.
+* ``EngineArgs.create_engine_config``: validates and selects our scheduler.
+* ``EngineCore.post_step``: waits on the input queue while all is throttled.
+* ``EngineCore.output_rate_rpc`` (added): the engine-side method that the
+  HTTP plugin reaches through vLLM's utility-call channel
+  (``call_utility_async``), to read statistics and change limits.
+* ``ChatCompletionRequest/CompletionRequest/ResponsesRequest
+  .to_sampling_params`` and ``.to_beam_search_params``: HTTP 400 for a
+  malformed ``output_rate_user`` and for beam search.
+
+Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
+``schedule``, ``add_request`` and the private ``_reserve_prefill_lookahead``
+and ``_handle_blocked_waiting_request``; the attribute
+``max_num_active_reqs`` is read by vLLM's waiting loop. The fast path (no
+limit binds) relies on two more facts: ``schedule()`` looks the hook up on
+``self`` at each call (so an instance attribute can stand in for the
+override during a step), and ``_update_after_schedule`` sets
+``Request.is_prefill_chunk`` on every scheduled request before ``schedule()``
+returns (so the step's sampled tokens can be counted afterwards). Each
+step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
+``_free_request``, read before ``schedule()`` clears it), with a recount
+whenever it disagrees with ``Scheduler.requests``; and when vLLM's
+``_inflight_prefills`` (requests whose prefill continues after this step) is
+empty, every scheduled request sampled.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+    from vllm.v1.request import Request
+
+# The hook the fast path swaps for vLLM's own for one step (an instance
+# attribute shadows the override).
+HOOK = "_reserve_prefill_lookahead"
+# The method the plugin adds to vLLM's EngineCore for the operator channel.
+RPC_METHOD = "output_rate_rpc"
+
+
+class SeamMovedError(RuntimeError):
+    """A vLLM internal this plugin relies on is gone or changed."""
+
+
+class SchedulerHost:
+    """The parts of vLLM's ``Scheduler`` this plugin reads and writes.
+
+    For the type checker only (vLLM itself is not type-checked here): the
+    scheduler subclasses derive from this under ``TYPE_CHECKING``, and the
+    policy holds its scheduler as a ``SchedulerHost``. ``check_host`` checks
+    that a real scheduler has every attribute declared here.
+    """
+
+    running: list[Request]
+    waiting: RequestQueue
+    requests: dict[str, Request]
+    policy: SchedulingPolicy
+    max_num_running_reqs: int  # --max-num-seqs
+    max_num_active_reqs: int  # --max-num-active-seqs; raised per step
+    finished_req_ids: set[str]
+    _inflight_prefills: Collection[Request]
+    kv_cache_manager: KVCacheManager
+    block_size: int
+    hash_block_size: int
+
+    # The methods the subclasses override (the bodies are vLLM's).
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def add_request(self, request: Request) -> None: ...
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        raise NotImplementedError
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        raise NotImplementedError
+
+
+HOST_ATTRIBUTES = tuple(SchedulerHost.__annotations__)
+
+
+def inflight_prefills(scheduler: SchedulerHost) -> Collection[Request]:
+    """vLLM's requests whose prefill continues after this step (private)."""
+    return scheduler._inflight_prefills
+
+
+def check_host(scheduler: object) -> None:
+    """Raise SeamMovedError unless ``scheduler`` has every declared attribute."""
+    missing = [name for name in HOST_ATTRIBUTES if not hasattr(scheduler, name)]
+    if missing:
+        raise SeamMovedError(
+            "vllm-output-rate cannot hook into this vLLM: its Scheduler has no "
+            + ", ".join(missing)
+        )
+
+
+# (module, attribute path, parameter names the wrapper relies on)
+EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
+    ("vllm.engine.arg_utils", "EngineArgs.add_cli_args", ["parser"]),
+    ("vllm.engine.arg_utils", "EngineArgs.from_cli_args", ["args"]),
+    ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", ["self"]),
+    ("vllm.v1.engine.core", "EngineCore.post_step", ["self", "model_executed"]),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._reserve_prefill_lookahead",
+        ["self", "request", "num_computed_tokens", "num_new_tokens"],
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._handle_blocked_waiting_request",
+        ["self", "request"],
+    ),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ["self"]),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
+    (
+        "vllm.v1.engine.core_client",
+        "AsyncMPClient.call_utility_async",
+        ["self", "method"],
+    ),
+]
+REQUEST_CLASSES: list[tuple[str, str]] = [
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
+]
+BEAM_SEARCH_CLASSES = REQUEST_CLASSES[:2]
+
+
+def resolve(module: str, path: str) -> Any:
+    import importlib
+
+    owner: Any = importlib.import_module(module)
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def verify_seams(*, api: bool = True) -> None:
+    """Raise SeamMovedError naming every internal that is gone or changed.
+
+    ``api=False`` skips the OpenAI request classes (engine processes never
+    import the API server).
+    """
+    problems = []
+    for module, path, params in EXPECTED_SIGNATURES:
+        try:
+            target = resolve(module, path)
+        except (ImportError, AttributeError):
+            problems.append(f"{module}.{path} no longer exists")
+            continue
+        names = list(inspect.signature(inspect.unwrap(target)).parameters)
+        if params not in (names[: len(params)], names[1 : len(params) + 1]):
+            problems.append(f"{module}.{path}{tuple(names)} expected {params}")
+    methods = [(cls, "to_sampling_params") for cls in REQUEST_CLASSES]
+    methods += [(cls, "to_beam_search_params") for cls in BEAM_SEARCH_CLASSES]
+    for (module, name), method in methods if api else []:
+        try:
+            resolve(module, f"{name}.{method}")
+        except (ImportError, AttributeError):
+            problems.append(f"{module}.{name}.{method} no longer exists")
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule_source = inspect.getsource(Scheduler.schedule)
+    after_schedule_source = inspect.getsource(Scheduler._update_after_schedule)
+    source_facts = [
+        (
+            schedule_source,
+            "self.max_num_active_reqs",
+            "Scheduler.schedule reads max_num_active_reqs",
+        ),
+        (
+            schedule_source,
+            "self._reserve_prefill_lookahead(",
+            "Scheduler.schedule calls self._reserve_prefill_lookahead",
+        ),
+        (
+            schedule_source,
+            "self._update_after_schedule(",
+            "Scheduler.schedule calls self._update_after_schedule",
+        ),
+        (
+            after_schedule_source,
+            "request.is_prefill_chunk =",
+            "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
+        ),
+        (
+            after_schedule_source,
+            "self._inflight_prefills.discard(",
+            "Scheduler._update_after_schedule drops finished prefills from "
+            "_inflight_prefills",
+        ),
+        (
+            inspect.getsource(Scheduler.__init__),
+            "self._inflight_prefills",
+            "Scheduler keeps _inflight_prefills",
+        ),
+        (
+            inspect.getsource(Scheduler._free_request),
+            "self.finished_req_ids.add(",
+            "Scheduler._free_request records finished_req_ids",
+        ),
+    ]
+    for source, needle, fact in source_facts:
+        if needle not in source:
+            problems.append(f"no longer true: {fact}")
+    if problems:
+        raise SeamMovedError(
+            "vllm-output-rate cannot hook into this vLLM: " + "; ".join(problems)
+        )

@@ -1,0 +1,48 @@
+"""The two checks every input goes through: a user name and a rate (no vLLM import).
+
+One set of rules for every way in (flags, limits file, admin endpoint, API
+keys file, request bodies, the limiter's own API), so a name accepted in one
+place is never refused in another. Errors are ``OutputRateConfigError`` (a
+``ValueError``) whose message names where the value came from.
+"""
+
+from __future__ import annotations
+
+import math
+
+MAX_USER_NAME_LENGTH = 256
+
+
+class OutputRateConfigError(ValueError):
+    """A setting or input is malformed; the message names the option and the value."""
+
+
+def validate_user_name(user: object, where: str = "user") -> str:
+    """Return ``user`` if it is a non-empty string of at most 256 characters."""
+    if not isinstance(user, str):
+        raise OutputRateConfigError(
+            f"{where}: user name must be a string, got {user!r}"
+        )
+    if not user:
+        raise OutputRateConfigError(
+            f"{where}: user name must not be empty, got {user!r}"
+        )
+    if len(user) > MAX_USER_NAME_LENGTH:
+        raise OutputRateConfigError(
+            f"{where}: user name {user[:40]!r}... is {len(user)} characters long; "
+            f"the limit is {MAX_USER_NAME_LENGTH}"
+        )
+    return user
+
+
+def validate_rate(rate: object, where: str = "rate") -> float:
+    """Return ``rate`` as a float if it is a finite number of tokens per second > 0."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        raise OutputRateConfigError(
+            f"{where} must be a number of tokens per second, got {rate!r}"
+        )
+    if not math.isfinite(rate) or rate <= 0:
+        raise OutputRateConfigError(
+            f"{where} must be a finite number > 0, got {rate!r}"
+        )
+    return float(rate)

@@ -1,0 +1,315 @@
+"""Drive vLLM's real V1 scheduler and KV cache manager without a model.
+
+Used by the scheduler-level tests and the scheduler benchmarks.
+
+The engine configuration is built the way ``vllm serve`` builds it (through
+``EngineArgs.create_engine_config`` on the tiny local model), the scheduler is
+vLLM's own class (or ours), and only the model runner is replaced by
+synthetic outputs: every request whose scheduled chunk reaches the end of its
+sequence samples one token. Asynchronous scheduling is reproduced by
+processing each step's output one step late, as vLLM's batch queue does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from harness.fake_clock import FakeClock
+from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY
+from vllm_output_rate.limiter import OutputRateLimiter
+
+BLOCK_SIZE = 16
+SAMPLED_TOKEN = 42  # any id that is not EOS
+
+
+@dataclass
+class Dispatch:
+    """What one step did for one request (from the scheduler's output)."""
+
+    step: int
+    time_ns: int
+    request_id: str
+    user: str
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
+class SchedulerHarness:
+    scheduler: Scheduler
+    clock: FakeClock
+    eos_token_id: int
+    is_async: bool
+    # Every (request, step) the scheduler dispatched, in order.
+    dispatches: list[Dispatch] = field(default_factory=list)
+    # request id -> output token ids received so far (from update_from_output)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, str] = field(default_factory=dict)  # id -> finish reason
+    users: dict[str, str] = field(default_factory=dict)  # request id -> user
+    # request id -> 0-based output index at which the model emits EOS
+    eos_at: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    preemptions: int = 0
+    _pending: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
+    _ids: Any = field(default_factory=itertools.count)
+
+    # ----- requests ----------------------------------------------------
+
+    def add(
+        self,
+        user: str | None,
+        *,
+        prompt_len: int = 8,
+        max_tokens: int = 16,
+        prompt: list[int] | None = None,
+        priority: int = 0,
+        eos_at: int | None = None,
+        extra_args: dict[str, Any] | None = None,
+    ) -> Request:
+        request_id = f"req-{next(self._ids)}"
+        if prompt is None:
+            # Distinct prompts so that prefix caching does not merge them.
+            seed = len(self.users) + 3
+            prompt = [(seed * 31 + i * 7) % 400 + 10 for i in range(prompt_len)]
+        if extra_args is None and user is not None:
+            extra_args = {"output_rate_user": user}
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=eos_at is None, extra_args=extra_args
+        )
+        params.update_from_generation_config({}, self.eos_token_id)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            pooling_params=None,
+            priority=priority,
+            arrival_time=self.clock.now_ns / 1e9,
+            block_hasher=_block_hasher(),
+        )
+        self.outputs[request_id] = []
+        if eos_at is not None:
+            self.eos_at[request_id] = eos_at
+        self.scheduler.add_request(request)
+        # The user as the scheduler understood it (ours parses extra_args).
+        self.users[request_id] = getattr(request, "output_rate_user", user or "")
+        return request
+
+    def abort(self, request_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        self.finished[request_id] = "abort"
+
+    # ----- steps -------------------------------------------------------
+
+    def step(self, advance_ns: int = 0) -> SchedulerOutput:
+        """Advance the clock, schedule once, and feed back model output."""
+        self.clock.advance(advance_ns)
+        output = self.scheduler.schedule()
+        self.steps += 1
+        self.preemptions += len(output.preempted_req_ids)
+        sampling = set()
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            # After scheduling, a chunk that reached the end is not a prefill
+            # chunk any more: the model samples a token for it.
+            samples = not request.is_prefill_chunk
+            if samples:
+                sampling.add(request_id)
+            self.dispatches.append(
+                Dispatch(
+                    self.steps,
+                    self.clock.now_ns,
+                    request_id,
+                    self.users[request_id],
+                    num_tokens,
+                    samples,
+                )
+            )
+        self._pending.append((output, sampling))
+        # Synchronous: results come back before the next schedule(). Async:
+        # one step stays in flight, like vLLM's batch queue of depth 2.
+        while len(self._pending) > (1 if self.is_async else 0):
+            self._finish_oldest()
+        return output
+
+    def drain(self) -> None:
+        """Process the step still in flight (async)."""
+        while self._pending:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        output, sampling = self._pending.popleft()
+        req_ids = list(output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for request_id in req_ids:
+            if request_id not in sampling or request_id in self.finished:
+                sampled.append([])
+                continue
+            index = len(self.outputs[request_id])
+            token = (
+                self.eos_token_id
+                if self.eos_at.get(request_id) == index
+                else SAMPLED_TOKEN
+            )
+            sampled.append([token])
+        model_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        engine_outputs = self.scheduler.update_from_output(output, model_output)
+        for client_outputs in engine_outputs.values():
+            for out in client_outputs.outputs:
+                self.outputs[out.request_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self.finished[out.request_id] = str(out.finish_reason)
+
+    def run_until_done(self, step_ns: int, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                self.drain()
+                if not self.scheduler.has_requests():
+                    return
+            self.step(step_ns)
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    # ----- observations -------------------------------------------------
+
+    def sampled_at(self, user: str) -> list[int]:
+        """Clock readings of every dispatched sampling step of ``user``."""
+        return [d.time_ns for d in self.dispatches if d.user == user and d.samples]
+
+    def sampled_by_request(self, request_id: str) -> list[int]:
+        return [
+            d.time_ns
+            for d in self.dispatches
+            if d.request_id == request_id and d.samples
+        ]
+
+
+_hasher: Callable[[Request], Any] | None = None
+
+
+def _block_hasher() -> Callable[[Request], Any]:
+    global _hasher
+    if _hasher is None:
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        _hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    return _hasher
+
+
+def make_scheduler(
+    model_path: str,
+    *,
+    limits: dict[str, Any] | None,
+    scheduler_cls: type[Scheduler] | None = None,
+    is_async: bool = False,
+    num_blocks: int = 10_000,
+    max_num_seqs: int = 64,
+    max_num_active_seqs: int | None = None,
+    max_num_batched_tokens: int = 2048,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True,
+    policy: str = "fcfs",
+    long_prefill_token_threshold: int = 0,
+    clock: FakeClock | None = None,
+) -> SchedulerHarness:
+    """A real vLLM scheduler on the tiny model's real engine configuration.
+
+    ``limits`` is the ``additional_config['output_rate']`` section, or None
+    for stock vLLM. The scheduler class defaults to vLLM's own, or to ours
+    when limits are given.
+    """
+    additional_config = {ADDITIONAL_CONFIG_KEY: limits} if limits is not None else {}
+    engine_args = EngineArgs(
+        model=model_path,
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=max_num_active_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        enable_prefix_caching=enable_prefix_caching,
+        scheduling_policy=policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        block_size=BLOCK_SIZE,
+        additional_config=additional_config,
+        skip_tokenizer_init=True,
+    )
+    vllm_config = engine_args.create_engine_config()
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=_float32()
+                ),
+            )
+        ],
+    )
+    if scheduler_cls is None:
+        scheduler_cls = _default_class(limits is not None, is_async)
+    scheduler = scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+    clock = clock or FakeClock(1_000_000_000)
+    if limits is not None:
+        scheduler.output_rate.use_limiter(
+            OutputRateLimiter(
+                limits["default_user_output_tokens_per_second"],
+                limits.get("user_output_tokens_per_second"),
+                clock=clock,
+            )
+        )
+    return SchedulerHarness(
+        scheduler=scheduler,
+        clock=clock,
+        eos_token_id=1,
+        is_async=is_async,
+    )
+
+
+def _default_class(limited: bool, is_async: bool) -> type[Scheduler]:
+    if not limited:
+        return AsyncScheduler if is_async else Scheduler
+    from vllm_output_rate.scheduling.scheduler import (
+        OutputRateAsyncScheduler,
+        OutputRateScheduler,
+    )
+
+    return OutputRateAsyncScheduler if is_async else OutputRateScheduler
+
+
+def _float32() -> Any:
+    import torch
+
+    return torch.float32

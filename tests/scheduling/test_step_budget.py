@@ -1,0 +1,97 @@
+"""StepBudget on its own: one step's reservations, spending and the refund.
+
+The scheduler tests exercise it through vLLM's scheduler; these pin its
+contract directly, against the real limiter and a fake clock.
+"""
+
+from __future__ import annotations
+
+from harness.counting_limiter import CountingLimiter
+from harness.fake_clock import FakeClock
+from vllm_output_rate.scheduling.step_budget import StepBudget
+
+MS = 1_000_000
+
+
+def budget(default: float = 10, users: dict[str, float] | None = None, cap: int = 64):
+    clock = FakeClock(1_000 * MS)
+    limiter = CountingLimiter(default, users, clock=clock)
+    return StepBudget(limiter, cap), limiter, clock
+
+
+def test_a_whole_reservation_means_nobody_can_be_refused() -> None:
+    step, limiter, _ = budget(default=1000)
+    assert step.begin_step({"a": 3, "b": 1})
+    assert step.has_budget("a") and step.has_budget("b")
+    assert not step.refused_users
+    assert step.settle({}) is None
+    assert +limiter.net == {}  # nothing spent: everything went back
+
+
+def test_a_partial_reservation_is_spent_then_refused() -> None:
+    step, limiter, _ = budget(default=10)  # burst: 2 tokens at 10 tok/s
+    assert not step.begin_step({"a": 5})
+    assert step.spend("a") and step.spend("a")
+    assert not step.spend("a")
+    assert step.refused_users == {"a"}
+    ready = step.settle({})
+    assert ready == limiter.ready_at_ns("a") > limiter.now_ns()
+    assert limiter.net["a"] == 2
+
+
+def test_undispatched_tokens_go_back_at_settle() -> None:
+    step, limiter, _ = budget(default=10)
+    step.begin_step({"a": 2})
+    step.spend("a")
+    step.spend("a")
+    step.settle({"a": 1})  # one of the two was not dispatched after all
+    assert limiter.net["a"] == 1
+
+
+def test_a_refund_never_exceeds_what_was_reserved() -> None:
+    step, limiter, _ = budget(default=10)
+    step.begin_step({"a": 1})
+    step.spend("a")
+    step.settle({"a": 5})  # a caller's miscount cannot mint budget
+    assert limiter.net["a"] == 0
+
+
+def test_demand_is_capped_by_the_requests_one_step_can_schedule() -> None:
+    step, limiter, _ = budget(default=1e9, cap=4)
+    # 10 unfinished requests, but a step schedules at most 4: 4 is whole.
+    assert step.begin_step({"a": 10})
+    assert limiter.net["a"] == 4
+
+
+def test_a_user_missing_from_the_demand_is_asked_when_it_appears() -> None:
+    step, limiter, _ = budget(default=10)
+    step.begin_step({"a": 1})
+    assert step.has_budget("late")
+    assert limiter.user_calls["late"] == 1
+    step.settle({})
+    assert limiter.net["late"] == 0
+
+
+def test_spend_counts_in_the_steady_state_is_one_comparison() -> None:
+    step, limiter, _ = budget(default=1000)
+    step.begin_step({"a": 2, "b": 1})
+    assert step.spend_counts({"a": 2, "b": 1})
+    step.settle({})
+    assert +limiter.net == {"a": 2, "b": 1}
+
+
+def test_spend_counts_takes_an_excess_after_the_fact() -> None:
+    step, limiter, _ = budget(default=1000)
+    step.begin_step({"a": 1})
+    assert not step.spend_counts({"a": 3})  # more than reserved: reported
+    step.settle({})
+    assert limiter.net["a"] == 3  # and charged, as far as the limiter allows
+
+
+def test_a_refused_user_is_not_asked_again_in_the_step() -> None:
+    step, limiter, _ = budget(default=10, users={"slow": 0.001})
+    step.begin_step({"slow": 3})
+    calls = limiter.user_calls["slow"]
+    for _ in range(5):
+        step.has_budget("slow")
+    assert limiter.user_calls["slow"] == calls

@@ -1,0 +1,102 @@
+"""Settings parsing: the one validator, the limits update, precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_output_rate.config import (
+    LimitsUpdate,
+    merge_settings,
+    parse_limits_update,
+    parse_user_rates,
+)
+from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.validation import (
+    MAX_USER_NAME_LENGTH,
+    OutputRateConfigError,
+    validate_rate,
+    validate_user_name,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (5, "must be a string"),
+        (None, "must be a string"),
+        ("", "must not be empty"),
+        ("x" * (MAX_USER_NAME_LENGTH + 1), "the limit is 256"),
+    ],
+)
+def test_one_rule_for_user_names_everywhere(name: object, message: str) -> None:
+    with pytest.raises(OutputRateConfigError, match=message):
+        validate_user_name(name, "somewhere")
+    with pytest.raises(OutputRateConfigError, match=message):
+        parse_user_rates({name: 1}, "flag") if isinstance(name, str) else (
+            validate_user_name(name)
+        )
+    if isinstance(name, str):
+        with pytest.raises(ValueError, match=message):
+            OutputRateLimiter(1, {name: 1})
+
+
+def test_the_longest_allowed_name_is_accepted_everywhere() -> None:
+    name = "u" * MAX_USER_NAME_LENGTH
+    assert validate_user_name(name) == name
+    assert parse_limits_update({"user_output_tokens_per_second": {name: 3}})
+    OutputRateLimiter(1, {name: 1})
+
+
+@pytest.mark.parametrize("rate", [0, -1, float("inf"), float("nan"), True, "5"])
+def test_rates_must_be_finite_positive_numbers(rate: object) -> None:
+    with pytest.raises(OutputRateConfigError):
+        validate_rate(rate, "rate")
+
+
+def test_a_limits_update_with_every_field() -> None:
+    update = parse_limits_update(
+        {
+            "default_user_output_tokens_per_second": 80,
+            "user_output_tokens_per_second": {"a": 10, "b": 2.5},
+            "remove_users": ["c"],
+        }
+    )
+    assert update == LimitsUpdate(80.0, {"a": 10.0, "b": 2.5}, ("c",))
+    assert parse_limits_update({}) == LimitsUpdate()
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ([], "expected an object"),
+        ({"bogus": 1}, "unknown keys"),
+        ({"default_user_output_tokens_per_second": 0}, "> 0"),
+        ({"user_output_tokens_per_second": {"a": "fast"}}, "number"),
+        ({"user_output_tokens_per_second": []}, "JSON object"),
+        ({"remove_users": "a"}, "expected a list"),
+        ({"remove_users": [""]}, "must not be empty"),
+    ],
+)
+def test_a_bad_limits_update_names_the_field(payload: object, message: str) -> None:
+    with pytest.raises(OutputRateConfigError, match=message):
+        parse_limits_update(payload)
+
+
+def test_explicit_values_win_over_the_limits_file(tmp_path) -> None:
+    path = tmp_path / "limits.yaml"
+    path.write_text(
+        "default_user_output_tokens_per_second: 7\n"
+        "user_output_tokens_per_second: {a: 1, b: 2}\n"
+    )
+    settings = merge_settings(
+        config_file=str(path), default_rate=9, user_rates='{"b": 20}'
+    )
+    assert settings is not None
+    assert settings.default_rate == 9
+    assert settings.user_rates == {"a": 1, "b": 20}
+
+
+def test_no_default_anywhere_means_limiting_is_off() -> None:
+    assert merge_settings() is None
+    with pytest.raises(OutputRateConfigError, match="need a default"):
+        merge_settings(user_rates={"a": 1})

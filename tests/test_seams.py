@@ -1,0 +1,114 @@
+"""Every vLLM internal in ``seams.py`` is there, and nothing of ours collides.
+
+The checks ``verify_seams`` and ``check_host`` make at start-up run here
+against the installed vLLM, and must fail loudly when an internal moves.
+The scheduler subclasses add exactly one attribute to vLLM's scheduler
+(``output_rate``) and override only the methods ``seams.py`` lists; a vLLM
+release that adds a name of ours to its ``Scheduler`` fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from harness.scheduler_sim import make_scheduler
+from vllm_output_rate import seams as seams_module
+from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, USER_ATTR
+from vllm_output_rate.scheduling.scheduler import (
+    OutputRateAsyncScheduler,
+    OutputRateMixin,
+    OutputRateScheduler,
+)
+
+# The vLLM methods the subclasses override on purpose (listed in seams.py).
+OVERRIDDEN = {
+    "__init__",
+    "schedule",
+    "add_request",
+    "_reserve_prefill_lookahead",
+    "_handle_blocked_waiting_request",
+}
+LIMITS = {"default_user_output_tokens_per_second": 10}
+
+
+def test_seams_exist_with_the_expected_signatures() -> None:
+    seams_module.verify_seams(api=True)
+
+
+def test_a_moved_seam_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.delattr(Scheduler, "_reserve_prefill_lookahead")
+    with pytest.raises(seams_module.SeamMovedError, match="_reserve_prefill"):
+        seams_module.verify_seams(api=False)
+
+
+def test_a_lost_prefill_chunk_flag_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The fast path counts sampled tokens from this flag after the step.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def update_after_schedule(self, scheduler_output) -> None:
+        self.finished_req_ids = set()
+
+    monkeypatch.setattr(Scheduler, "_update_after_schedule", update_after_schedule)
+    with pytest.raises(seams_module.SeamMovedError, match="is_prefill_chunk"):
+        seams_module.verify_seams(api=False)
+
+
+def test_the_overrides_are_exactly_the_listed_seams() -> None:
+    ours = {
+        name
+        for name in vars(OutputRateMixin)
+        if not (name.startswith("__") and name != "__init__")
+    }
+    assert ours - {"output_rate"} == OVERRIDDEN
+    for name in OVERRIDDEN - {"__init__"}:
+        assert name in seams_module.SchedulerHost.__dict__, name
+        assert callable(getattr(Scheduler, name))
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_our_state_cannot_collide_with_vllms_attributes(
+    tiny_model_path: str, is_async: bool
+) -> None:
+    stock = make_scheduler(tiny_model_path, limits=None, is_async=is_async)
+    ours = make_scheduler(tiny_model_path, limits=LIMITS, is_async=is_async)
+    expected = OutputRateAsyncScheduler if is_async else OutputRateScheduler
+    assert type(ours.scheduler) is expected
+    stock_names = set(vars(stock.scheduler)) | set(dir(type(stock.scheduler)))
+    added = set(vars(ours.scheduler)) - set(vars(stock.scheduler))
+    assert added == {"output_rate"}
+    assert "output_rate" not in stock_names
+    for base in (Scheduler, AsyncScheduler):
+        assert not hasattr(base, "output_rate")
+
+
+def test_a_real_scheduler_has_every_declared_host_attribute(
+    tiny_model_path: str,
+) -> None:
+    scheduler = make_scheduler(tiny_model_path, limits=None).scheduler
+    seams_module.check_host(scheduler)
+    for name in seams_module.HOST_ATTRIBUTES:
+        assert hasattr(scheduler, name), name
+
+
+def test_a_scheduler_without_a_declared_attribute_is_refused() -> None:
+    class Stripped:
+        running = ()
+
+    with pytest.raises(seams_module.SeamMovedError, match="_inflight_prefills"):
+        seams_module.check_host(Stripped())
+
+
+def test_our_request_tags_cannot_collide_with_vllms(tiny_model_path: str) -> None:
+    from vllm.v1.request import Request
+
+    stock = make_scheduler(tiny_model_path, limits=None)
+    request = stock.add("a")
+    for name in (USER_ATTR, LAST_SERVED_ATTR):
+        assert not hasattr(Request, name)
+        assert not hasattr(request, name)
