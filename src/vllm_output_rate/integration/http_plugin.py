@@ -11,6 +11,9 @@ since that variable then filters general plugins too, enable both:
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
+  The stats route pages through every user on record in name order:
+  ``?limit=N`` (1 to 10,000, default 1,000) and ``?after=NAME`` (the
+  previous page's ``next``).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from vllm_output_rate.integration import engine_setup
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
 from vllm_output_rate.seams import RPC_METHOD
-from vllm_output_rate.validation import OutputRateConfigError
+from vllm_output_rate.validation import OutputRateConfigError, validate_user_name
 
 logger = logging.getLogger("vllm.output_rate")
 ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
 POLL_INTERVAL_S = 1.0
 PREFIX = "/v1/output_rate"
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10_000
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -94,7 +99,7 @@ class OutputRateHttpPlugin:
     async def _poll_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # a missed poll keeps old values
-                self._collector.update(await self._call("snapshot"))
+                self._collector.update(await self._call("metrics"))
             await asyncio.sleep(POLL_INTERVAL_S)
 
     # ----- admin routes -------------------------------------------------
@@ -121,7 +126,11 @@ class OutputRateHttpPlugin:
     async def _get_stats(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
             return refusal
-        return JSONResponse(await self._call("snapshot"))
+        try:
+            page = parse_page(dict(request.query_params))
+        except OutputRateConfigError as exc:
+            return _error(400, str(exc))
+        return JSONResponse(await self._call("users", page))
 
     async def _put_limits(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
@@ -132,3 +141,21 @@ class OutputRateHttpPlugin:
         except (ValueError, OutputRateConfigError) as exc:
             return _error(400, str(exc))
         return JSONResponse(await self._call("update", payload))
+
+
+def parse_page(query: dict[str, str]) -> dict[str, Any]:
+    """``limit`` and ``after`` of a stats page, validated."""
+    unknown = set(query) - {"limit", "after"}
+    if unknown:
+        raise OutputRateConfigError(
+            f"unknown query parameters {sorted(unknown)}; expected limit, after"
+        )
+    text = query.get("limit", str(DEFAULT_PAGE))
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+        raise OutputRateConfigError(
+            f"limit must be a whole number from 1 to {MAX_PAGE:,}, got {text!r}"
+        )
+    after = query.get("after")
+    if after is not None:
+        validate_user_name(after, "after")
+    return {"limit": int(text), "after": after}
