@@ -6,8 +6,10 @@ since that variable then filters general plugins too, enable both:
 
 * Metrics: while limiting is on, per-user counters are polled from the
   engine once a second and exposed on vLLM's own ``/metrics``.
-* Trusted identity: with ``--output-rate-api-keys FILE``, users come from
-  verified API keys (see trusted_identity.py).
+* Every request on its way into the engine, whatever its route, passes the
+  engine client funnel: a malformed user gets HTTP 400, and with
+  ``--output-rate-api-keys FILE`` the user comes from a verified API key or
+  the request is refused (see trusted_identity.py).
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
@@ -30,9 +32,11 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
+from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.config import parse_limits_update
 from vllm_output_rate.integration import engine_setup
+from vllm_output_rate.integration.api_validation import guard_engine_client
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
 from vllm_output_rate.seams import RPC_METHOD
@@ -79,11 +83,15 @@ class OutputRateHttpPlugin:
     ) -> None:
         if engine_client is None or not engine_setup.limiting_enabled:
             return
+        seams.verify_seams(api=True)
         keys_file = getattr(args, "output_rate_api_keys", None)
+        guard_engine_client(engine_client, require_identity=bool(keys_file))
         if keys_file:
             self.api_keys = ApiKeys.load(keys_file)
             logger.info(
-                "Trusted identity on: users come from the API keys in %s", keys_file
+                "Trusted identity on: every request into the engine needs an "
+                "API key from %s; its user replaces any named in the body",
+                keys_file,
             )
         self._engine = engine_client
         self._collector.register()
