@@ -401,6 +401,33 @@ register(
 )
 
 
+def _configure_top(p: argparse.ArgumentParser) -> None:
+    from vllm_output_rate.top import add_arguments
+
+    add_arguments(p)
+
+
+def _run_top(args: argparse.Namespace) -> int:
+    from vllm_output_rate.top import TopError, run
+
+    try:
+        return run(args)
+    except TopError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 0  # the way to quit a live view
+
+
+register(
+    Subcommand(
+        name="top",
+        help="live table of each user's limit, delivered rate and throttling",
+        configure=_configure_top,
+        run=_run_top,
+    )
+)
+
+
 # --------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------
