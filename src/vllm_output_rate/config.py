@@ -55,15 +55,21 @@ def _check_object(
     return value
 
 
+def _parsed_json(value: object, where: str) -> object:
+    """``value`` itself, or parsed when it is JSON text (as flags give it)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise OutputRateConfigError(
+            f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
+        ) from None
+
+
 def parse_user_rates(value: object, where: str) -> dict[str, float]:
     """A JSON object (or its text) of user name to tok/s, validated."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise OutputRateConfigError(
-                f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
-            ) from None
+    value = _parsed_json(value, where)
     if not isinstance(value, Mapping):
         raise OutputRateConfigError(
             f"{where}: expected a JSON object of user name to tokens per second, "
@@ -79,13 +85,7 @@ def parse_user_rates(value: object, where: str) -> dict[str, float]:
 
 def parse_metrics_users(value: object, where: str) -> tuple[str, ...]:
     """A JSON list (or its text) of user names that always get a label."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise OutputRateConfigError(
-                f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
-            ) from None
+    value = _parsed_json(value, where)
     if not isinstance(value, (list, tuple)):
         raise OutputRateConfigError(
             f"{where}: expected a JSON list of user names, got {value!r}"

@@ -263,6 +263,8 @@ def render(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vllm_output_rate.cli import _positive_float
+
     parser.add_argument(
         "--base-url",
         default="http://127.0.0.1:8000",
@@ -274,11 +276,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the server's admin key (default: ${ADMIN_KEY_ENV})",
     )
     parser.add_argument(
-        "--interval", type=_positive, default=1.0, help="seconds between refreshes"
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        help="seconds between refreshes",
     )
     parser.add_argument(
         "--window",
-        type=_positive,
+        type=_positive_float,
         default=5.0,
         help="seconds over which rates and TTFT are measured (default: %(default)s)",
     )
@@ -289,16 +294,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop after this many tables (default: run until Ctrl-C)",
     )
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:

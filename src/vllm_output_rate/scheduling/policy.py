@@ -162,7 +162,7 @@ class OutputRatePolicy:
         host = self._host
         self.step += 1
         if self._limits_file and self._limits_file.poll(self.limiter):
-            self._logger.info("Limits file reloaded: %s", self.limits())
+            self._logger.info("Limits file reloaded: %s", self.limits_summary())
         demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
@@ -412,8 +412,15 @@ class OutputRatePolicy:
             user_rates=update.user_rates,
             remove_users=update.remove_users,
         )
-        self._logger.info("Output rate limits changed: %s", self.limits())
+        self._logger.info("Output rate limits changed: %s", self.limits_summary())
         return self.limits()
+
+    def limits_summary(self) -> str:
+        """The limits for a log line: the table itself only while it is short
+        (a million users would make a 25 MB line)."""
+        rates = self.limiter.user_rates
+        users = rates if len(rates) <= 10 else f"{len(rates):,} users"
+        return f"default {self.limiter.default_rate:g} tok/s, per user {users}"
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Per-label counters and each label's limit (bounded in size)."""
