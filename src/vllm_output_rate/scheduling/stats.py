@@ -27,7 +27,6 @@ import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from vllm_output_rate.config import ANONYMOUS_USER
@@ -196,6 +195,8 @@ class OutputRateStats:
         self.labels = MetricLabels(always_labeled, recent_users)
         self._labels: dict[str, LabelStats] = {}
         self._users: dict[str, UserStats] = {}
+        # The users' names in order, for paging; None once a user came or went.
+        self._sorted_names: list[str] | None = None
         # Each user's latest dispatch time, except the latest step's users
         # (self._last_step).
         self._last_dispatch_ns: dict[str, int] = {}
@@ -220,6 +221,7 @@ class OutputRateStats:
         record = self._users.get(user)
         if record is None:
             record = self._users[user] = UserStats(now_ns, now_ns)
+            self._sorted_names = None
         record.last_active_ns = now_ns
         return record
 
@@ -312,6 +314,7 @@ class OutputRateStats:
             record = users.get(user)
             if record is None:
                 record = users[user] = UserStats(now_ns, now_ns)
+                self._sorted_names = None
             record.tokens_admitted += count * times
             record.last_active_ns = now_ns
         last.unfolded = 0
@@ -352,6 +355,7 @@ class OutputRateStats:
         checked = self._retention_checked_ns
         if checked is None or now_ns - checked >= CHECK_RETENTION_S * NS_PER_S:
             self._retention_checked_ns = now_ns
+            self._sorted_names = None
             self._users = {
                 user: record
                 for user, record in self._users.items()
@@ -378,9 +382,11 @@ class OutputRateStats:
         name ``after``; returns them, the cursor of the next page (None at
         the end) and the number of users on record."""
         self._fold_last_step()
-        names = sorted(self._users)
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self._users)
+        names = self._sorted_names
         start = 0 if after is None else bisect.bisect_right(names, after)
-        page = list(islice(names, start, start + limit))
+        page = names[start : start + limit]
         more = start + limit < len(names)
         return (
             {user: self._user_view(user, now_ns) for user in page},
