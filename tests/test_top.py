@@ -156,7 +156,7 @@ def test_each_bad_answer_is_one_clear_line(
 
 @pytest.mark.parametrize(
     "argv",
-    [["--interval", "0"], ["--window", "x"], ["--sort", "size"]],
+    [["--interval", "0"], ["--window", "x"], ["--sort", "size"], ["--iterations", "0"]],
 )
 def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as stopped:

@@ -263,7 +263,7 @@ def render(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from vllm_output_rate.cli import _positive_float
+    from vllm_output_rate.cli import _positive_float, _positive_int
 
     parser.add_argument(
         "--base-url",
@@ -290,7 +290,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sort", choices=SORT_KEYS, default="rate")
     parser.add_argument(
         "--iterations",
-        type=int,
+        type=_positive_int,
         default=None,
         help="stop after this many tables (default: run until Ctrl-C)",
     )
@@ -301,8 +301,6 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     if not admin_key:
         raise TopError(f"no admin key: give --admin-key or set {ADMIN_KEY_ENV}")
-    if args.iterations is not None and args.iterations < 1:
-        raise TopError("--iterations must be >= 1")
     base_url = args.base_url.rstrip("/")
     console = console or Console()
     window = Window(args.window)
