@@ -43,6 +43,7 @@ from typing import Any
 from benchmarks.accuracy import accuracy, format_accuracy
 from benchmarks.idle import format_idle, idle
 from benchmarks.isolation import format_isolation, isolation
+from benchmarks.metrics_scrape import metrics_scrape_bench, metrics_scrape_section
 from benchmarks.report_format import fmt, jsonable, verdict
 from benchmarks.servers import ServerPool, log
 from benchmarks.throughput import format_throughput, throughput
@@ -57,10 +58,19 @@ SERVER_BENCHMARKS: dict[str, tuple[BenchFn, FormatFn]] = {
     "isolation": (isolation, format_isolation),
     "idle": (idle, format_idle),
     "accuracy": (accuracy, format_accuracy),
+    "metrics_scrape": (metrics_scrape_bench, metrics_scrape_section),
 }
 
-ORDER = ("scheduler_cost", "throughput", "isolation", "idle", "accuracy")
+ORDER = (
+    "scheduler_cost",
+    "throughput",
+    "isolation",
+    "idle",
+    "accuracy",
+    "metrics_scrape",
+)
 SERVERS_NEEDED: dict[str, set[str]] = {
+    "metrics_scrape": set(),  # starts its own server
     "scheduler_cost": set(),
     "throughput": {"stock", "ours"},
     "isolation": {"stock", "ours"},
@@ -73,6 +83,7 @@ TITLES = {
     "isolation": "4. Isolation",
     "idle": "3. Idle engine while throttled",
     "accuracy": "5. Rate accuracy",
+    "metrics_scrape": "6. Metrics scrape against configured users",
 }
 
 
@@ -329,6 +340,20 @@ def summary_rows(
                 f"{results['rounds']} (slow-state runs: stock "
                 f"{results['slow_runs']['stock']}, ours "
                 f"{results['slow_runs']['ours']})",
+                results["met"],
+            )
+        ]
+    if name == "metrics_scrape":
+        return [
+            (
+                "6. metrics scrape, 10^3 to 10^6 configured users",
+                "scrape at the largest size <= 1.5x the smallest",
+                f"{results['ratio']:.2f}x ("
+                + ", ".join(
+                    f"{row['configured_users']:,}: {1000 * row['scrape_s']:.0f} ms"
+                    for row in results["rows"]
+                )
+                + ")",
                 results["met"],
             )
         ]
