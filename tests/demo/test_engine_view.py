@@ -29,9 +29,11 @@ def test_rates_and_series_come_from_the_engine_counts() -> None:
         [0.0, 0.5, 1.0],
         [20.0, 20.0, 0.0],
     )
-    # First to last reading with new tokens: 20 tokens in 1 s.
-    assert engine.rate("a") == 20.0
-    assert engine.rate("nobody") is None
+    # Between the first and last readings in the window: 20 tokens in 1 s.
+    assert engine.rate("a", 10.0, 11.0) == 20.0
+    assert engine.rate("a", 10.0, 12.0) == 10.0  # an idle second counts
+    assert engine.rate("a", 10.6, 11.5) is None  # one reading inside
+    assert engine.rate("nobody", 10.0, 12.0) == 0.0
 
 
 def test_the_bound_is_checked_on_every_pair_of_readings() -> None:

@@ -40,9 +40,25 @@ def plot_demo(
     labels = [u.label for u in limited.users]
     colours = {label: f"C{i}" for i, label in enumerate(labels)}
 
+    # One y scale for all three, fitted to the data: a limit far above every
+    # rate (user-b's) is written at the top instead of flattening the rest.
+    peak = max(
+        [v for r in (stock, limited) for u in r.users for v in u.series_tok_s],
+        default=1.0,
+    )
+    shown = {
+        u.label: u.limit
+        for u in limited.users
+        if u.limit is not None and u.limit <= 1.5 * peak
+    }
+    top = 1.1 * max([peak, *shown.values()])
+
     # 1. Delivered tok/s per user, before and after.
     stock_rates = [stock.user(u.name).rate_tok_s or 0.0 for u in limited.users]
-    engine_rates = [engine.rate(engine_users[u.label]) or 0.0 for u in limited.users]
+    window = (engine_start_s, engine_start_s + limited.spec.duration_s)
+    engine_rates = [
+        engine.rate(engine_users[u.label], *window) or 0.0 for u in limited.users
+    ]
     xs = range(len(labels))
     bars.bar([x - 0.2 for x in xs], stock_rates, 0.4, color="0.75", label="stock vLLM")
     bars.bar(
@@ -53,19 +69,24 @@ def plot_demo(
         label="with limits (engine)",
     )
     for x, u in zip(xs, limited.users, strict=True):
-        if u.limit is not None:
+        if u.label in shown:
             bars.hlines(u.limit, x - 0.05, x + 0.45, colors="black", linewidth=2)
+        elif u.limit is not None:
+            bars.annotate(
+                f"limit {u.limit:g} ↑",
+                (x + 0.2, top),
+                xytext=(0, -12),
+                textcoords="offset points",
+                ha="center",
+                fontsize="small",
+            )
     bars.set_xticks(list(xs), labels, rotation=20)
     bars.set_ylabel("output tok/s per user")
+    bars.set_ylim(0, top)
     bars.set_title("Delivered rate (black: the limit)")
-    bars.legend(fontsize="small")
+    bars.legend(fontsize="small", loc="upper right")
 
-    # 2. and 3. Over time, on one y scale.
-    peak = max(
-        [v for r in (stock, limited) for u in r.users for v in u.series_tok_s]
-        + [u.limit or 0.0 for u in limited.users],
-        default=1.0,
-    )
+    # 2. and 3. Over time.
     for ax, result, title in (
         (before, stock, "Stock vLLM, per user (client view)"),
         (
@@ -96,12 +117,12 @@ def plot_demo(
                     linewidth=2,
                     label=f"{u.label} (engine)",
                 )
-                if u.limit is not None:
+                if u.label in shown:
                     ax.axhline(u.limit, color=colour, linestyle="--", linewidth=1)
         ax.set_title(title)
         ax.set_xlabel("time since the load started (s)")
         ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0, top=1.1 * peak)
+        ax.set_ylim(bottom=0, top=top)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="x-small", ncol=2)
     before.set_ylabel("output tok/s (client: 1 s bins)")

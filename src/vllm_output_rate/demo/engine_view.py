@@ -79,18 +79,15 @@ class EngineWatch:
                 rates.append(delivered / (b.time_s - a.time_s))
         return times, rates
 
-    def rate(self, user: str) -> float | None:
-        """Tokens per second from the user's first to its last reading with
-        new tokens (the engine's count, not the client's)."""
-        moved = [
-            r
-            for r, prev in zip(self.readings[1:], self.readings, strict=False)
-            if r.tokens.get(user, 0) > prev.tokens.get(user, 0)
-        ]
-        if len(moved) < 2 or moved[-1].time_s <= moved[0].time_s:
+    def rate(self, user: str, start_s: float, end_s: float) -> float | None:
+        """Tokens per second between the first and the last reading within
+        [``start_s``, ``end_s``] (the load's window, while demand lasted):
+        the engine's count, not the client's."""
+        inside = [r for r in self.readings if start_s <= r.time_s <= end_s]
+        if len(inside) < 2 or inside[-1].time_s <= inside[0].time_s:
             return None
-        tokens = moved[-1].tokens[user] - moved[0].tokens[user]
-        return tokens / (moved[-1].time_s - moved[0].time_s)
+        tokens = inside[-1].tokens.get(user, 0) - inside[0].tokens.get(user, 0)
+        return tokens / (inside[-1].time_s - inside[0].time_s)
 
     def bound_held(self, user: str, limit: float) -> bool:
         """The bound on every pair of readings: the tokens dispatched between

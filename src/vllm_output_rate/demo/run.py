@@ -117,10 +117,11 @@ def format_engine_table(result: LoadResult, engine: EngineRun) -> str:
         show_edge=False,
         pad_edge=False,
     )
-    for name in ("user", "limit tok/s", "engine tok/s", "client tok/s"):
+    for name in ("user", "limit tok/s", "engine tok/s (load)", "client tok/s"):
         table.add_column(name, justify="left" if name == "user" else "right")
     table.add_column("engine TTFT p50 / p95 ms", justify="right")
     table.add_column("bound held (engine)", justify="center")
+    window = (engine.start_s, engine.start_s + result.spec.duration_s)
     for u in result.users:
         name = engine_name(u.name)
         p50, p95 = engine.first_token.get(name, [None, None])
@@ -128,7 +129,7 @@ def format_engine_table(result: LoadResult, engine: EngineRun) -> str:
         table.add_row(
             u.label,
             "none" if u.limit is None else f"{u.limit:g}",
-            _num(engine.watch.rate(name)),
+            _num(engine.watch.rate(name, *window)),
             _num(u.rate_tok_s),
             f"{_ms(p50)} / {_ms(p95)}",
             "n.a." if held is None else ("yes" if held else "NO"),
