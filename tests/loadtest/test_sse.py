@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -116,3 +118,22 @@ def test_not_an_event_stream_is_a_transport_error():
         read(resp)
     assert isinstance(exc.value, httpx.TransportError)
     assert "text/event-stream" in str(exc.value)
+
+
+def test_every_sse_reader_is_sse_data():
+    # A new stream reader written with aiter_lines()/iter_lines() would bring
+    # the bug back; only this test module calls them (to show the bug).
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for folder in ("src", "benchmarks", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("aiter_lines", "iter_lines")
+                    and isinstance(node.ctx, ast.Load)
+                ):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == []
