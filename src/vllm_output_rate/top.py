@@ -263,7 +263,7 @@ def render(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from vllm_output_rate.cli import _positive_float, _positive_int
+    from vllm_output_rate.cli.common import positive_float, positive_int
 
     parser.add_argument(
         "--base-url",
@@ -277,20 +277,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="seconds between refreshes",
     )
     parser.add_argument(
         "--window",
-        type=_positive_float,
+        type=positive_float,
         default=5.0,
         help="seconds over which rates and TTFT are measured (default: %(default)s)",
     )
     parser.add_argument("--sort", choices=SORT_KEYS, default="rate")
     parser.add_argument(
         "--iterations",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="stop after this many tables (default: run until Ctrl-C)",
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from vllm_output_rate.demo.chart import plot_demo
 from vllm_output_rate.demo.engine_view import EngineWatch, Reading
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     RequestRecord,

@@ -23,7 +23,7 @@ import pytest
 from harness.prometheus_server import Prometheus, running_prometheus
 from vllm_output_rate import cli
 from vllm_output_rate.demo.server import free_port, running_server
-from vllm_output_rate.loadtest.loadgen import LoadSpec, UserLoad, run_load_sync
+from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vllm_output_rate.demo.engine_view import EngineWatch
-from vllm_output_rate.loadtest.loadgen import LoadResult
+from vllm_output_rate.loadtest import LoadResult
 
 
 def plot_demo(
