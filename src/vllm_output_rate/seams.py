@@ -175,6 +175,26 @@ ENGINE_ENTRY_CALLERS: dict[str, set[str]] = {
 }
 
 
+# vLLM's own --api-key middleware and the path prefixes it guards: with our
+# API keys (which replace --api-key) the same paths need a valid key.
+API_KEY_GUARD = ("vllm.entrypoints.serve.middleware.authenticate", "GUARDED_PREFIX")
+
+
+def api_key_guarded_prefixes() -> tuple[str, ...]:
+    """The path prefixes vLLM's ``--api-key`` requires a key for."""
+    prefixes = resolve(*API_KEY_GUARD)
+    if not (
+        isinstance(prefixes, tuple)
+        and prefixes
+        and all(isinstance(p, str) and p.startswith("/") for p in prefixes)
+    ):
+        raise SeamMovedError(
+            f"vllm-output-rate cannot hook into this vLLM: {'.'.join(API_KEY_GUARD)}"
+            f" is {prefixes!r}, expected a tuple of path prefixes"
+        )
+    return prefixes
+
+
 def resolve(module: str, path: str) -> Any:
     import importlib
 
@@ -209,6 +229,12 @@ def verify_seams(*, api: bool = True) -> None:
             problems.append(f"{module}.{name}.{method} no longer exists")
     if api:
         problems += _funnel_problems()
+        try:
+            api_key_guarded_prefixes()
+        except (ImportError, AttributeError):
+            problems.append(f"{'.'.join(API_KEY_GUARD)} no longer exists")
+        except SeamMovedError as exc:
+            problems.append(str(exc))
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule_source = inspect.getsource(Scheduler.schedule)

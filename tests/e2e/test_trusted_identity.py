@@ -239,7 +239,30 @@ def test_no_route_reaches_the_engine_without_a_valid_key(
             assert post(server, path, body, key).status_code in (status, 401), path
     time.sleep(1.5)  # anything that did reach the engine has been counted
     assert engine_counts(server) == before
-    assert httpx.get(server + "/v1/models").status_code == 200  # reads stay open
+
+
+def test_keys_guard_everything_vllms_api_key_would(server) -> None:
+    # The keys file replaces --api-key, so every route under vLLM's guarded
+    # prefixes needs a valid key, aborts and model lists included.
+    from vllm_output_rate.seams import api_key_guarded_prefixes
+
+    guarded = api_key_guarded_prefixes()
+    checked = 0
+    for method, path in NOT_GENERATING:
+        if not path.startswith(guarded) or path.startswith("/v1/output_rate/"):
+            continue
+        if method not in ("GET", "POST", "PUT", "DELETE"):
+            continue
+        url = server + path.replace("{response_id}", "resp-x")
+        for key in (None, "guess"):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            answer = httpx.request(method, url, headers=headers, json={}, timeout=30)
+            assert answer.status_code == 401, (method, path, key, answer.text)
+        checked += 1
+    assert checked >= 10  # /v1/models, abort_requests, render, tokenize, ...
+    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+    assert httpx.get(server + "/v1/models", headers=alice).status_code == 200
+    assert httpx.get(server + "/health").status_code == 200  # as with --api-key
 
 
 def test_every_generating_route_charges_the_keys_user(

@@ -98,6 +98,7 @@ def app_with_middleware(holder: Holder) -> TestClient:
         return {"user": await asyncio.create_task(reach_engine())}
 
     @app.get("/v1/models")
+    @app.get("/health")
     async def models() -> dict:
         identity = current_identity.get()
         return {"identity": None if identity is None else identity.user}
@@ -141,10 +142,19 @@ def test_without_a_key_nothing_reaches_the_engine_and_the_answer_is_401() -> Non
         assert refused.json()["error"]["code"] == 401
         assert refused.headers["www-authenticate"] == "Bearer"
         assert "alice" not in refused.text and "bob" not in refused.text
-    with client.websocket_connect("/v1/realtime") as socket:
-        assert socket.receive_text() == "refused"
-    # Routes that do not generate stay open without a key.
-    assert client.get("/v1/models").json() == {"identity": None}
+    # What vLLM's own --api-key guards needs a key here too, generating or
+    # not (the keys file replaces --api-key): refused before the handler.
+    assert client.get("/v1/models").status_code == 401
+    with (
+        pytest.raises(WebSocketDisconnect) as closed,
+        client.websocket_connect("/v1/realtime") as socket,
+    ):
+        socket.receive_text()
+    assert closed.value.code == 1008
+    # OPTIONS (CORS preflight) passes, as with --api-key.
+    assert client.options("/v1/models").status_code != 401
+    # Outside those prefixes only the funnel refuses, and only generation.
+    assert client.get("/health").json() == {"identity": None}
 
 
 def test_a_wrong_key_gets_401_on_any_route() -> None:

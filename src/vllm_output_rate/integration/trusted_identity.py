@@ -8,7 +8,10 @@ by. Two parts, so that the guarantee does not depend on knowing the routes:
   ``Authorization: Bearer KEY`` on every request and records the key's user,
   or none, in a per-request ``RequestIdentity``. A key that is given but
   unknown gets HTTP 401 on any route (the admin routes, which have their own
-  key, excepted).
+  key, excepted), and so does a request without a key to any path vLLM's own
+  ``--api-key`` would guard (``/v1``, ``/inference``, ...: the keys file
+  replaces ``--api-key``, so it must guard at least as much, aborts and
+  model lists included).
 * ``stamp_or_refuse`` runs at the one funnel every route goes through into
   the engine, the API server's engine client (``seams.FUNNEL``, wrapped per
   instance by ``api_validation.guard_engine_client``): it writes the verified user into
@@ -36,6 +39,7 @@ from typing import Any
 
 from vllm.exceptions import GracefulHTTPError
 
+from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.identity import USER_FIELD
 
@@ -84,6 +88,7 @@ class TrustedIdentityMiddleware:
     def __init__(self, app: Any, keys_holder: Any) -> None:
         self.app = app
         self._holder = keys_holder  # has .api_keys: ApiKeys | None
+        self._guarded = seams.api_key_guarded_prefixes()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
         keys: ApiKeys | None = self._holder.api_keys
@@ -96,7 +101,7 @@ class TrustedIdentityMiddleware:
             return
         token = _bearer_token(scope)
         user = keys.user_for(token) if token else None
-        if token and user is None:
+        if (token and user is None) or (user is None and self._needs_key(scope)):
             await _refuse(scope, send)
             return
         identity = RequestIdentity(user)
@@ -107,6 +112,14 @@ class TrustedIdentityMiddleware:
             await self.app(scope, receive, send)
         finally:
             current_identity.reset(reset)
+
+    def _needs_key(self, scope: dict[str, Any]) -> bool:
+        """Whether vLLM's own --api-key would refuse this request without a
+        key (every method but OPTIONS, under its guarded prefixes)."""
+        if scope.get("method") == "OPTIONS":
+            return False
+        path: str = scope["path"].removeprefix(scope.get("root_path", ""))
+        return path.startswith(self._guarded)
 
 
 def _refusal_aware(send: Send, identity: RequestIdentity) -> Send:
