@@ -7,7 +7,11 @@ STAMP := $(VENV)/.installed
 # Everything ruff checks and formats (mypy's files are in pyproject.toml).
 CODE := src tests benchmarks
 
-.PHONY: demo test test-fast lint typecheck bench model clean
+.PHONY: demo test test-fast lint typecheck bench model dist clean test-servers
+
+# Servers the end-to-end tests start themselves, from Debian packages
+# (installed once, as root; CI runs as root).
+TEST_SERVERS := prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +28,16 @@ model: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m vllm_output_rate.demo.run
 
-test: lint typecheck
+test: lint typecheck test-servers
 	$(PY) -m pytest
+
+test-servers:
+	@missing=""; for pkg in $(TEST_SERVERS); do \
+		dpkg -s $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing (Debian packages the tests start)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $$missing; fi
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"
@@ -44,5 +56,11 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks $(BENCH_ARGS)
 
+# A wheel and an sdist in dist/ (the wheel is built from the sdist, so both
+# are checked); tests/test_packaging.py checks what they contain.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache dist

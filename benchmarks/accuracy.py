@@ -24,14 +24,14 @@ from benchmarks.servers import (
     ServerPool,
     acc_user,
 )
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,
-    percentile,
     run_load,
     run_load_sync,
 )
+from vllm_output_rate.loadtest.summary import percentile
 from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
 
 # Cells run concurrently on one server in batches whose summed limits stay

@@ -18,7 +18,7 @@ from benchmarks.servers import (
     ISO_B_LIMIT,
     ServerPool,
 )
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,

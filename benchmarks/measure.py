@@ -17,7 +17,8 @@ import httpx
 import psutil
 
 from vllm_output_rate.demo.server import RunningServer
-from vllm_output_rate.loadtest.loadgen import LoadResult, percentile
+from vllm_output_rate.loadtest import LoadResult
+from vllm_output_rate.loadtest.summary import percentile
 
 # ----- process CPU -----------------------------------------------------------
 

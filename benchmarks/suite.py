@@ -24,12 +24,20 @@ from benchmarks import checkout
 from benchmarks.accuracy import accuracy
 from benchmarks.idle import idle
 from benchmarks.isolation import isolation
+from benchmarks.metrics_scrape import metrics_scrape_bench
 from benchmarks.noise import NoiseMonitor
 from benchmarks.progress import log
 from benchmarks.servers import ServerPool, common_flags
 from benchmarks.throughput import throughput
 
-ORDER = ("scheduler_cost", "throughput", "isolation", "idle", "accuracy")
+ORDER = (
+    "scheduler_cost",
+    "throughput",
+    "isolation",
+    "idle",
+    "accuracy",
+    "metrics_scrape",
+)
 
 ServerBenchmark = Callable[[ServerPool, bool], dict[str, Any]]
 SERVER_BENCHMARKS: dict[str, ServerBenchmark] = {
@@ -37,6 +45,7 @@ SERVER_BENCHMARKS: dict[str, ServerBenchmark] = {
     "isolation": isolation,
     "idle": idle,
     "accuracy": accuracy,
+    "metrics_scrape": metrics_scrape_bench,
 }
 SERVERS_NEEDED: dict[str, set[str]] = {
     "scheduler_cost": set(),
@@ -44,6 +53,7 @@ SERVERS_NEEDED: dict[str, set[str]] = {
     "isolation": {"stock", "ours"},
     "idle": {"stock", "ours", "ours-nowait"},
     "accuracy": {"ours"},
+    "metrics_scrape": set(),  # starts its own server
 }
 STARTUP = "server start-up"  # the noise monitor's period while servers start
 

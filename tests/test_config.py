@@ -100,3 +100,32 @@ def test_no_default_anywhere_means_limiting_is_off() -> None:
     assert merge_settings() is None
     with pytest.raises(OutputRateConfigError, match="need a default"):
         merge_settings(user_rates={"a": 1})
+
+
+def test_metrics_label_settings_are_validated() -> None:
+    from vllm_output_rate.config import OutputRateSettings
+
+    base = OutputRateSettings(default_rate=5)
+    assert base.metrics_recent_users == 100 and base.metrics_users == ()
+    settings = base.with_metrics_labels('["vip", "vip", "b"]', "7")
+    assert settings.metrics_users == ("vip", "b")  # duplicates dropped
+    assert settings.metrics_recent_users == 7
+    round_trip = OutputRateSettings.from_additional_config(
+        {"output_rate": settings.to_additional_config()}
+    )
+    assert round_trip == settings
+    for users, message in (
+        ("vip", "not valid JSON"),
+        ('{"vip": 1}', "expected a JSON list"),
+        ('[""]', "must not be empty"),
+        ("[5]", "must be a string"),
+    ):
+        with pytest.raises(OutputRateConfigError, match=message):
+            base.with_metrics_labels(users=users)
+    for recent in (-1, 10_001, 2.5, True, "many", "-3"):
+        with pytest.raises(OutputRateConfigError, match="0 to 10,000"):
+            base.with_metrics_labels(recent=recent)
+    with pytest.raises(OutputRateConfigError, match="unknown keys"):
+        OutputRateSettings.from_additional_config(
+            {"output_rate": {"default_user_output_tokens_per_second": 1, "metrics": 2}}
+        )

@@ -9,6 +9,8 @@ release that adds a name of ours to its ``Scheduler`` fails here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -112,3 +114,45 @@ def test_our_request_tags_cannot_collide_with_vllms(tiny_model_path: str) -> Non
     for name in (USER_ATTR, LAST_SERVED_ATTR):
         assert not hasattr(Request, name)
         assert not hasattr(request, name)
+
+
+def test_a_path_into_the_engine_around_the_funnel_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Trusted identity stamps or refuses at AsyncLLM.add_request: a method
+    # that sends requests to the engine core any other way would bypass it.
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def submit_directly(self, request) -> None:
+        await self.engine_core.add_request_async(request)
+
+    monkeypatch.setattr(AsyncLLM, "submit_directly", submit_directly, raising=False)
+    with pytest.raises(seams_module.SeamMovedError, match="submit_directly"):
+        seams_module.verify_seams(api=True)
+
+
+def test_a_changed_funnel_signature_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def add_request(self, prompt, request_id, params) -> None: ...
+
+    monkeypatch.setattr(AsyncLLM, "add_request", add_request)
+    with pytest.raises(seams_module.SeamMovedError, match="add_request"):
+        seams_module.verify_seams(api=True)
+
+
+def test_no_api_route_talks_to_the_engine_core_directly() -> None:
+    # Routes reach the engine through the engine client's generate/encode,
+    # which go through the funnel; none uses the engine core client itself.
+    import vllm.entrypoints
+
+    root = Path(vllm.entrypoints.__file__).parent
+    offenders = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if "add_request_async" in path.read_text(errors="replace")
+        or ".engine_core." in path.read_text(errors="replace")
+    ]
+    assert offenders == []

@@ -18,7 +18,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchmarks.report import accuracy, idle, isolation, scheduler_cost, throughput
+from benchmarks.report import (
+    accuracy,
+    idle,
+    isolation,
+    metrics_scrape,
+    scheduler_cost,
+    throughput,
+)
 from benchmarks.report.markdown import verdict
 
 SECTIONS: dict[str, ModuleType] = {
@@ -27,8 +34,9 @@ SECTIONS: dict[str, ModuleType] = {
     "isolation": isolation,
     "idle": idle,
     "accuracy": accuracy,
+    "metrics_scrape": metrics_scrape,
 }
-SERVER_BENCHMARKS = ("throughput", "isolation", "idle", "accuracy")
+SERVER_BENCHMARKS = ("throughput", "isolation", "idle", "accuracy", "metrics_scrape")
 HISTORY = Path(__file__).with_name("history.md")
 
 SLOW_STATE_NOTE = (

@@ -11,7 +11,7 @@ from typing import Any
 from benchmarks.measure import median
 from benchmarks.report.figures import grouped_bars, pyplot, save
 from benchmarks.report.markdown import fmt, image, verdict
-from vllm_output_rate.loadtest.loadgen import LoadResult, LoadSpec
+from vllm_output_rate.loadtest import LoadResult, LoadSpec
 from vllm_output_rate.loadtest.report import plot_rates
 
 TITLE = "4. Isolation"

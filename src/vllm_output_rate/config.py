@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,17 @@ DEFAULT_FLAG = "--default-user-output-tokens-per-second"
 USERS_FLAG = "--user-output-tokens-per-second"
 FILE_FLAG = "--output-rate-config"
 API_KEYS_FLAG = "--output-rate-api-keys"
+METRICS_USERS_FLAG = "--output-rate-metrics-users"
+METRICS_RECENT_FLAG = "--output-rate-metrics-recent-users"
 DEFAULT_KEY = "default_user_output_tokens_per_second"
 USERS_KEY = "user_output_tokens_per_second"
 FILE_KEY = "config_file"
+METRICS_USERS_KEY = "metrics_users"
+METRICS_RECENT_KEY = "metrics_recent_users"
+# How many users with recent traffic get their own metrics label by default
+# (besides the listed ones, __anonymous__ and __other__).
+DEFAULT_METRICS_RECENT_USERS = 100
+MAX_METRICS_RECENT_USERS = 10_000
 # Requests that do not name a user share this budget.
 ANONYMOUS_USER = "__anonymous__"
 
@@ -47,15 +55,21 @@ def _check_object(
     return value
 
 
+def _parsed_json(value: object, where: str) -> object:
+    """``value`` itself, or parsed when it is JSON text (as flags give it)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise OutputRateConfigError(
+            f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
+        ) from None
+
+
 def parse_user_rates(value: object, where: str) -> dict[str, float]:
     """A JSON object (or its text) of user name to tok/s, validated."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise OutputRateConfigError(
-                f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
-            ) from None
+    value = _parsed_json(value, where)
     if not isinstance(value, Mapping):
         raise OutputRateConfigError(
             f"{where}: expected a JSON object of user name to tokens per second, "
@@ -69,13 +83,42 @@ def parse_user_rates(value: object, where: str) -> dict[str, float]:
     }
 
 
+def parse_metrics_users(value: object, where: str) -> tuple[str, ...]:
+    """A JSON list (or its text) of user names that always get a label."""
+    value = _parsed_json(value, where)
+    if not isinstance(value, (list, tuple)):
+        raise OutputRateConfigError(
+            f"{where}: expected a JSON list of user names, got {value!r}"
+        )
+    return tuple(dict.fromkeys(validate_user_name(user, where) for user in value))
+
+
+def validate_recent_users(value: object, where: str) -> int:
+    """How many recently active users get their own label (0 to 10,000)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 0 <= value <= MAX_METRICS_RECENT_USERS
+    ):
+        raise OutputRateConfigError(
+            f"{where} must be a whole number from 0 to {MAX_METRICS_RECENT_USERS:,}, "
+            f"got {value!r}"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class OutputRateSettings:
-    """Validated limits: a default rate and per-user overrides, in tok/s."""
+    """Validated limits: a default rate and per-user overrides, in tok/s,
+    and which users get their own metrics label."""
 
     default_rate: float
     user_rates: Mapping[str, float] = field(default_factory=dict)
     config_file: str | None = None
+    metrics_users: tuple[str, ...] = ()
+    metrics_recent_users: int = DEFAULT_METRICS_RECENT_USERS
 
     def to_additional_config(self) -> dict[str, Any]:
         """The canonical form stored in ``additional_config["output_rate"]``."""
@@ -83,6 +126,8 @@ class OutputRateSettings:
             DEFAULT_KEY: self.default_rate,
             USERS_KEY: dict(self.user_rates),
             FILE_KEY: self.config_file,
+            METRICS_USERS_KEY: list(self.metrics_users),
+            METRICS_RECENT_KEY: self.metrics_recent_users,
         }
 
     @classmethod
@@ -94,13 +139,44 @@ class OutputRateSettings:
         if section is None:
             return None
         where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
-        _check_object(section, (DEFAULT_KEY, USERS_KEY, FILE_KEY), where)
-        return merge_settings(
+        _check_object(
+            section,
+            (DEFAULT_KEY, USERS_KEY, FILE_KEY, METRICS_USERS_KEY, METRICS_RECENT_KEY),
+            where,
+        )
+        settings = merge_settings(
             config_file=section.get(FILE_KEY),
             default_rate=section.get(DEFAULT_KEY),
             user_rates=section.get(USERS_KEY),
             default_source=f"{where}[{DEFAULT_KEY!r}]",
             users_source=f"{where}[{USERS_KEY!r}]",
+        )
+        if settings is None:
+            return None
+        return settings.with_metrics_labels(
+            section.get(METRICS_USERS_KEY),
+            section.get(METRICS_RECENT_KEY),
+            users_source=f"{where}[{METRICS_USERS_KEY!r}]",
+            recent_source=f"{where}[{METRICS_RECENT_KEY!r}]",
+        )
+
+    def with_metrics_labels(
+        self,
+        users: object = None,
+        recent: object = None,
+        *,
+        users_source: str = METRICS_USERS_FLAG,
+        recent_source: str = METRICS_RECENT_FLAG,
+    ) -> OutputRateSettings:
+        """These settings with the metrics label settings given (None: keep)."""
+        return replace(
+            self,
+            metrics_users=self.metrics_users
+            if users is None
+            else parse_metrics_users(users, users_source),
+            metrics_recent_users=self.metrics_recent_users
+            if recent is None
+            else validate_recent_users(recent, recent_source),
         )
 
 

@@ -23,6 +23,11 @@ calls them:
 * ``ChatCompletionRequest/CompletionRequest/ResponsesRequest
   .to_sampling_params`` and ``.to_beam_search_params``: HTTP 400 for a
   malformed ``output_rate_user`` and for beam search.
+* ``AsyncLLM.add_request`` (wrapped per instance by the HTTP plugin): the
+  one funnel every route's request goes through into the engine; trusted
+  identity stamps the verified user there or refuses the request, and the
+  user is validated there for every route. ``verify_seams`` checks that
+  every path of ``AsyncLLM`` into the engine core passes through it.
 
 Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
 ``schedule``, ``add_request`` and the private ``_reserve_prefill_lookahead``
@@ -149,6 +154,25 @@ REQUEST_CLASSES: list[tuple[str, str]] = [
     ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
 ]
 BEAM_SEARCH_CLASSES = REQUEST_CLASSES[:2]
+# The API server's engine client, and the method every request goes through
+# on its way into the engine core (checked with api=True).
+ENGINE_CLIENT = ("vllm.v1.engine.async_llm", "AsyncLLM")
+FUNNEL = "add_request"
+FUNNEL_PARAMS = ["self", "request_id", "prompt", "params"]
+# The engine client's methods that may send a request to the engine core,
+# and the only callers each may have: everything else must go through the
+# funnel. The KV-connector notice sends a request that is aborted on
+# arrival (it never samples).
+_ENGINE_CORE_SEND = "engine_core.add_request_async("
+ENGINE_ENTRY_CALLERS: dict[str, set[str]] = {
+    _ENGINE_CORE_SEND: {
+        FUNNEL,
+        "_add_request",
+        "notify_kv_transfer_request_rejected",
+    },
+    "self._add_request(": {FUNNEL, "_add_streaming_input_request"},
+    "self._add_streaming_input_request(": {FUNNEL},
+}
 
 
 def resolve(module: str, path: str) -> Any:
@@ -183,6 +207,8 @@ def verify_seams(*, api: bool = True) -> None:
             resolve(module, f"{name}.{method}")
         except (ImportError, AttributeError):
             problems.append(f"{module}.{name}.{method} no longer exists")
+    if api:
+        problems += _funnel_problems()
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule_source = inspect.getsource(Scheduler.schedule)
@@ -232,3 +258,33 @@ def verify_seams(*, api: bool = True) -> None:
         raise SeamMovedError(
             "vllm-output-rate cannot hook into this vLLM: " + "; ".join(problems)
         )
+
+
+def _funnel_problems() -> list[str]:
+    """Every path of the engine client into the engine core goes through
+    ``FUNNEL`` (so that no route can bypass trusted identity)."""
+    module, name = ENGINE_CLIENT
+    where = f"{module}.{name}"
+    try:
+        client = resolve(module, name)
+        funnel = getattr(client, FUNNEL)
+    except (ImportError, AttributeError):
+        return [f"{where}.{FUNNEL} no longer exists"]
+    problems = []
+    names = list(inspect.signature(inspect.unwrap(funnel)).parameters)
+    if names[: len(FUNNEL_PARAMS)] != FUNNEL_PARAMS:
+        problems.append(f"{where}.{FUNNEL}{tuple(names)} expected {FUNNEL_PARAMS}")
+    sources = {
+        attr: inspect.getsource(value)
+        for attr, value in vars(client).items()
+        if inspect.isfunction(value)
+    }
+    for call, allowed in ENGINE_ENTRY_CALLERS.items():
+        callers = {attr for attr, source in sources.items() if call in source}
+        if not callers & allowed:
+            problems.append(f"no longer true: {where} sends requests by {call}...)")
+        for caller in sorted(callers - allowed):
+            problems.append(
+                f"{where}.{caller} calls {call}...) outside {where}.{FUNNEL}"
+            )
+    return problems

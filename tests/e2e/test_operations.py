@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from vllm_output_rate.demo.server import running_server
-from vllm_output_rate.loadtest.loadgen import LoadSpec, UserLoad, run_load_sync
+from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -24,6 +24,10 @@ def server(tiny_model_path: str):
         "40",
         "--user-output-tokens-per-second",
         '{"user-a": 60, "user-b": 30}',
+        "--output-rate-metrics-users",
+        '["user-b"]',
+        "--output-rate-metrics-recent-users",
+        "3",
     ]
     env = {
         "VLLM_PLUGINS": "output_rate,output_rate_http",
@@ -60,8 +64,9 @@ def test_per_user_metrics_on_vllms_metrics_endpoint(server, tiny_model_path) -> 
     before = metrics(server)
     complete(server, tiny_model_path, "user-b", 12)
     complete(server, tiny_model_path, None, 5)
-    for i in range(5):  # five distinct unnamed users share one label
-        complete(server, tiny_model_path, f"visitor-{i}", 2)
+    visitors = [f"visitor-{i}" for i in range(6)]
+    for visitor in visitors:
+        complete(server, tiny_model_path, visitor, 2)
     time.sleep(2.5)  # the API server polls the engine once a second
     after = metrics(server)
 
@@ -69,12 +74,22 @@ def test_per_user_metrics_on_vllms_metrics_endpoint(server, tiny_model_path) -> 
         name = f'vllm:output_rate_tokens_admitted_total{{user="{user}"}}'
         return after.get(name, 0) - before.get(name, 0)
 
-    assert delta("user-b") == 12
+    assert delta("user-b") == 12  # listed: always its own label
     assert delta("__anonymous__") == 5
-    assert delta("__other__") == 10
-    assert not any("visitor" in name for name in after)
+    # At most 3 users with recent traffic get their own label; the rest
+    # share __other__, and no token is lost between the two.
+    labelled = [v for v in visitors if delta(v) > 0]
+    assert len(labelled) <= 3
+    assert delta("__other__") >= 2 * (len(visitors) - 3)
+    assert delta("__other__") + sum(map(delta, visitors)) == 2 * len(visitors)
     assert after['vllm:output_rate_limit_tokens_per_second{user="user-b"}'] == 30
+    assert after['vllm:output_rate_limit_tokens_per_second{user="__default__"}'] == 40
     assert after['vllm:output_rate_token_gap_seconds_count{user="user-b"}'] >= 11
+    first = 'vllm:output_rate_time_to_first_token_seconds_count{user="user-b"}'
+    assert after[first] - before.get(first, 0) == 1
+    # Every visitor has its own record at the admin endpoint.
+    users = httpx.get(server + "/v1/output_rate/stats", headers=ADMIN).json()["users"]
+    assert all(users[v]["tokens_admitted"] == 2 for v in visitors)
 
 
 def test_the_admin_endpoint_needs_the_key_and_refuses_bad_input(server) -> None:
@@ -98,6 +113,30 @@ def test_the_admin_endpoint_needs_the_key_and_refuses_bad_input(server) -> None:
     assert response.status_code == 400
     # Nothing was partly applied.
     assert httpx.get(limits_url, headers=ADMIN).json() == before
+    stats_url = server + "/v1/output_rate/stats"
+    assert httpx.get(stats_url).status_code == 401
+    for query in ("limit=0", "limit=10001", "limit=x", "after=", "page=2"):
+        response = httpx.get(f"{stats_url}?{query}", headers=ADMIN)
+        assert response.status_code == 400, (query, response.text)
+
+
+def test_the_stats_endpoint_pages_through_every_user(server, tiny_model_path) -> None:
+    for user in ("page-a", "page-b", "page-c"):
+        complete(server, tiny_model_path, user, 1)
+    seen: list[str] = []
+    after = None
+    while True:
+        query = {"limit": "2"} if after is None else {"limit": "2", "after": after}
+        page = httpx.get(
+            server + "/v1/output_rate/stats", params=query, headers=ADMIN
+        ).json()
+        assert len(page["users"]) <= 2
+        seen += list(page["users"])
+        after = page["next"]
+        if after is None:
+            break
+    assert seen == sorted(seen) and len(seen) == page["total"]
+    assert {"page-a", "page-b", "page-c"} <= set(seen)
 
 
 def test_lowering_a_rate_mid_stream_takes_effect(server, tiny_model_path) -> None:

@@ -15,13 +15,15 @@ import time
 import httpx
 import pytest
 
+from vllm_output_rate import cli
 from vllm_output_rate.demo.server import running_server
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,
     run_load_sync,
 )
+from vllm_output_rate.loadtest.sse import sse_data
 
 pytestmark = pytest.mark.e2e
 
@@ -225,8 +227,8 @@ def test_a_client_leaving_while_throttled_frees_its_request(
             ) as response:
                 assert response.status_code == 200
                 received = 0
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
+                async for data in sse_data(response):
+                    if data.startswith("{"):
                         received += 1
                         if received == 2:
                             break  # leave while user "slow" is throttled
@@ -251,9 +253,17 @@ def test_a_client_leaving_while_throttled_frees_its_request(
     assert after.user("user-b").requests_completed >= 1
 
 
-def test_stock_vllm_without_the_flag(tiny_model_path: str) -> None:
+def test_stock_vllm_without_the_flag(
+    tiny_model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with running_server(tiny_model_path, ["--max-num-seqs", "32"]) as url:
         assert "OutputRateScheduler" not in url.log_text()
+        # The operator's live view on a server without the plugin's admin
+        # endpoint: one clear line and exit code 1.
+        assert cli.main(["top", "--base-url", url, "--admin-key", "k"]) == 1
+        error = capsys.readouterr().err
+        assert "no vllm-output-rate admin endpoint" in error
+        assert error.count("\n") == 1
         result = load(
             url,
             tiny_model_path,

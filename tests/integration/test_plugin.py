@@ -238,3 +238,23 @@ def test_namespace_without_flags_is_untouched() -> None:
     from vllm_output_rate.integration.cli_flags import settings_from_namespace
 
     assert settings_from_namespace(argparse.Namespace(additional_config=None)) is None
+
+
+def test_metrics_label_flags(parser, tiny_model_path: str) -> None:
+    config = engine_config(
+        parser,
+        tiny_model_path,
+        FLAG,
+        "9",
+        "--output-rate-metrics-recent-users",
+        "3",
+        "--output-rate-metrics-users",
+        '["vip"]',
+    )
+    section = config.additional_config["output_rate"]
+    assert section["metrics_recent_users"] == 3
+    assert section["metrics_users"] == ["vip"]
+    with pytest.raises(SystemExit):  # argparse: a clear error, exit 2
+        parser.parse_args(["--output-rate-metrics-recent-users", "lots"])
+    with pytest.raises(OutputRateConfigError, match="need --default"):
+        engine_config(parser, tiny_model_path, "--output-rate-metrics-users", "[]")

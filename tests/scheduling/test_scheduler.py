@@ -605,15 +605,56 @@ def test_a_live_rate_change_applies_from_the_next_step(limited) -> None:
     assert h.scheduler.output_rate.limits()["user_output_tokens_per_second"] == {"a": 5}
 
 
-def test_statistics_keep_label_cardinality_bounded(limited) -> None:
-    h = limited(1000, {"named": 1000})
+def test_statistics_keep_label_cardinality_bounded(
+    tiny_model_path: str, is_async: bool
+) -> None:
+    h = make_scheduler(
+        tiny_model_path,
+        limits={
+            "default_user_output_tokens_per_second": 1000,
+            "metrics_users": ["named"],
+            "metrics_recent_users": 2,
+        },
+        is_async=is_async,
+    )
     h.add("named", max_tokens=3)
     h.add(None, max_tokens=2)
     for i in range(50):
         h.add(f"stranger-{i}", max_tokens=1)
     h.run_until_done(1 * MS)
-    users = h.scheduler.output_rate.snapshot()["users"]
-    assert set(users) == {"named", "__anonymous__", "__other__"}
-    assert users["named"]["tokens_admitted"] == 3
-    assert users["__other__"]["tokens_admitted"] == 50
-    assert users["named"]["gap_count"] == 2
+    policy = h.scheduler.output_rate
+    labels = policy.metrics_snapshot()["labels"]
+    # The listed user, anonymous, two recent users; the other 48 share one.
+    assert set(labels) == {
+        "named",
+        "__anonymous__",
+        "stranger-0",
+        "stranger-1",
+        "__other__",
+    }
+    assert labels["named"]["tokens_admitted"] == 3
+    assert labels["__other__"]["tokens_admitted"] == 48
+    assert labels["named"]["token_gap"]["count"] == 2
+    assert policy.metrics_snapshot()["limits"]["__default__"] == 1000
+    # The admin view has every user, with its limit and first-token time.
+    page = policy.users_snapshot(limit=100)
+    assert page["total"] == 52 and page["next"] is None
+    assert page["users"]["stranger-49"]["tokens_admitted"] == 1
+    assert page["users"]["stranger-49"]["label"] == "__other__"
+    assert page["users"]["named"]["limit"] == 1000
+    assert all(view["first_tokens"] == 1 for view in page["users"].values())
+
+
+def test_first_token_time_counts_the_wait_for_budget(limited) -> None:
+    # 1 tok/s: the second request's first token waits about one second.
+    h = limited(1, {"fast": 1000})
+    h.add("slow", max_tokens=1)
+    h.add("slow", max_tokens=1)
+    h.add("fast", max_tokens=1)
+    h.run_until_done(10 * MS)
+    users = h.scheduler.output_rate.users_snapshot(limit=10)["users"]
+    assert users["fast"]["first_tokens"] == 1
+    assert users["fast"]["first_token_sum_s"] < 0.05
+    assert users["slow"]["first_tokens"] == 2
+    # One at once (burst), one after about 1 s (the limit), on the fake clock.
+    assert 0.9 <= users["slow"]["first_token_sum_s"] <= 1.2

@@ -1,24 +1,47 @@
-"""Refuse, with HTTP 400, requests the rate limiter cannot account for.
+"""Check every request on its way into the engine; refuse what the rate
+limiter cannot account for.
 
-These checks run in the API server while the request is converted to
-sampling parameters, before any response starts, so even streaming requests
-get a real 400 rather than an error event inside a 200 stream.
+Two places, both in the API server:
+
+* ``check_sampling_params`` runs while an OpenAI request (chat, completion,
+  responses) is converted to sampling parameters, before any response
+  starts, so even streaming requests get a real HTTP error rather than an
+  error event inside a 200 stream;
+* ``guard_engine_client`` wraps the engine client's funnel
+  (``seams.FUNNEL``), which every route's request passes on its way into the
+  engine, including routes that take raw sampling parameters
+  (``/inference/v1/generate``) and routes a later vLLM adds.
+
+Both apply the same rule: with trusted identity on, the request gets its
+verified user or is refused (HTTP 401, trusted_identity.py); otherwise a
+malformed ``output_rate_user`` gets HTTP 400.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm_output_rate import seams
 from vllm_output_rate.identity import USER_FIELD, user_from_extra_args
 from vllm_output_rate.integration import engine_setup
-from vllm_output_rate.integration.trusted_identity import apply_verified_user
+from vllm_output_rate.integration.trusted_identity import stamp_or_refuse
 from vllm_output_rate.validation import OutputRateConfigError
+
+# Set by guard_engine_client in a server that takes users from API keys.
+identity_required = False
 
 
 def check_sampling_params(params: Any) -> None:
     if not engine_setup.limiting_enabled:
         return
-    apply_verified_user(params)  # trusted identity, when configured
+    if identity_required:
+        stamp_or_refuse(None, params)
+    else:
+        check_user(params)
+
+
+def check_user(params: Any) -> None:
+    """VLLMValidationError (HTTP 400) for a malformed ``output_rate_user``."""
     try:
         user_from_extra_args(getattr(params, "extra_args", None))
     except OutputRateConfigError as exc:
@@ -39,3 +62,33 @@ def refuse_beam_search() -> None:
         "its candidate expansion does not sample one token per step",
         parameter="use_beam_search",
     )
+
+
+def guard_engine_client(engine_client: Any, *, require_identity: bool) -> None:
+    """Wrap the engine client's funnel (``seams.FUNNEL``) on this instance.
+
+    With ``require_identity`` every request gets the verified user or is
+    refused there; otherwise a malformed ``output_rate_user`` is refused.
+    """
+    global identity_required
+    module, name = seams.ENGINE_CLIENT
+    if not isinstance(engine_client, seams.resolve(module, name)):
+        if require_identity:  # fail closed: its requests cannot be seen
+            raise OutputRateConfigError(
+                f"trusted identity needs vLLM's {name} engine client; "
+                f"this server runs {type(engine_client).__qualname__}"
+            )
+        return
+    original = getattr(engine_client, seams.FUNNEL)
+
+    async def funnel(
+        request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if require_identity:
+            prompt, params = stamp_or_refuse(prompt, params)
+        else:
+            check_user(params)
+        return await original(request_id, prompt, params, *args, **kwargs)
+
+    setattr(engine_client, seams.FUNNEL, funnel)
+    identity_required = require_identity

@@ -9,11 +9,16 @@ from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     API_KEYS_FLAG,
     DEFAULT_FLAG,
+    DEFAULT_METRICS_RECENT_USERS,
     FILE_FLAG,
+    METRICS_RECENT_FLAG,
+    METRICS_USERS_FLAG,
     USERS_FLAG,
     OutputRateSettings,
     merge_settings,
+    parse_metrics_users,
     parse_user_rates,
+    validate_recent_users,
 )
 from vllm_output_rate.validation import OutputRateConfigError, validate_rate
 
@@ -30,6 +35,20 @@ def _rate_arg(text: str) -> float:
 def _users_arg(text: str) -> dict[str, float]:
     try:
         return parse_user_rates(text, USERS_FLAG)
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _metrics_users_arg(text: str) -> tuple[str, ...]:
+    try:
+        return parse_metrics_users(text, METRICS_USERS_FLAG)
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _recent_users_arg(text: str) -> int:
+    try:
+        return validate_recent_users(text, METRICS_RECENT_FLAG)
     except OutputRateConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -80,6 +99,22 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="JSON or YAML file with default_user_output_tokens_per_second and "
         "user_output_tokens_per_second, for large user tables.",
     )
+    group.add_argument(
+        METRICS_RECENT_FLAG,
+        type=_recent_users_arg,
+        default=None,
+        metavar="N",
+        help="Metrics: up to N users with recent traffic get their own 'user' "
+        f"label (default {DEFAULT_METRICS_RECENT_USERS}); every other user is "
+        "counted under '__other__'. The admin stats endpoint has every user.",
+    )
+    group.add_argument(
+        METRICS_USERS_FLAG,
+        type=_metrics_users_arg,
+        default=None,
+        metavar="JSON",
+        help="Metrics: users that always get their own label, e.g. '[\"vip-1\"]'.",
+    )
 
 
 def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | None:
@@ -90,7 +125,10 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
     config_file = getattr(args, "output_rate_config", None)
     default_rate = getattr(args, "default_user_output_tokens_per_second", None)
     user_rates = getattr(args, "user_output_tokens_per_second", None)
-    if config_file is None and default_rate is None and user_rates is None:
+    metrics_users = getattr(args, "output_rate_metrics_users", None)
+    metrics_recent = getattr(args, "output_rate_metrics_recent_users", None)
+    given = (config_file, default_rate, user_rates, metrics_users, metrics_recent)
+    if all(value is None for value in given):
         return None
     base = OutputRateSettings.from_additional_config(
         getattr(args, "additional_config", None)
@@ -99,9 +137,20 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
         config_file = config_file or base.config_file
         default_rate = default_rate if default_rate is not None else base.default_rate
         user_rates = {**base.user_rates, **(user_rates or {})}
-    return merge_settings(
+    settings = merge_settings(
         config_file=config_file, default_rate=default_rate, user_rates=user_rates
     )
+    if settings is None:
+        if metrics_users is not None or metrics_recent is not None:
+            raise OutputRateConfigError(
+                f"{METRICS_USERS_FLAG} and {METRICS_RECENT_FLAG} need {DEFAULT_FLAG}"
+            )
+        return None
+    if base is not None:
+        settings = settings.with_metrics_labels(
+            base.metrics_users, base.metrics_recent_users
+        )
+    return settings.with_metrics_labels(metrics_users, metrics_recent)
 
 
 def check_api_keys_option(args: argparse.Namespace, limiting: bool) -> None:

@@ -16,8 +16,10 @@ def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
     policy = getattr(engine_core.scheduler, "output_rate", None)
     if policy is None:
         raise RuntimeError("per-user output rate limiting is not enabled")
-    if op == "snapshot":
-        return policy.snapshot()
+    if op == "metrics":
+        return policy.metrics_snapshot()
+    if op == "users":
+        return policy.users_snapshot(payload["limit"], payload.get("after"))
     if op == "limits":
         return policy.limits()
     if op == "update":

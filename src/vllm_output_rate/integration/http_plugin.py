@@ -6,11 +6,16 @@ since that variable then filters general plugins too, enable both:
 
 * Metrics: while limiting is on, per-user counters are polled from the
   engine once a second and exposed on vLLM's own ``/metrics``.
-* Trusted identity: with ``--output-rate-api-keys FILE``, users come from
-  verified API keys (see trusted_identity.py).
+* Every request on its way into the engine, whatever its route, passes the
+  engine client funnel: a malformed user gets HTTP 400, and with
+  ``--output-rate-api-keys FILE`` the user comes from a verified API key or
+  the request is refused (see trusted_identity.py).
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
+  The stats route pages through every user on record in name order:
+  ``?limit=N`` (1 to 10,000, default 1,000) and ``?after=NAME`` (the
+  previous page's ``next``).
 """
 
 from __future__ import annotations
@@ -27,18 +32,22 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
+from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.config import parse_limits_update
 from vllm_output_rate.integration import engine_setup
+from vllm_output_rate.integration.api_validation import guard_engine_client
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
 from vllm_output_rate.seams import RPC_METHOD
-from vllm_output_rate.validation import OutputRateConfigError
+from vllm_output_rate.validation import OutputRateConfigError, validate_user_name
 
 logger = logging.getLogger("vllm.output_rate")
 ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
 POLL_INTERVAL_S = 1.0
 PREFIX = "/v1/output_rate"
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10_000
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -74,11 +83,15 @@ class OutputRateHttpPlugin:
     ) -> None:
         if engine_client is None or not engine_setup.limiting_enabled:
             return
+        seams.verify_seams(api=True)
         keys_file = getattr(args, "output_rate_api_keys", None)
+        guard_engine_client(engine_client, require_identity=bool(keys_file))
         if keys_file:
             self.api_keys = ApiKeys.load(keys_file)
             logger.info(
-                "Trusted identity on: users come from the API keys in %s", keys_file
+                "Trusted identity on: every request into the engine needs an "
+                "API key from %s; its user replaces any named in the body",
+                keys_file,
             )
         self._engine = engine_client
         self._collector.register()
@@ -94,7 +107,7 @@ class OutputRateHttpPlugin:
     async def _poll_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # a missed poll keeps old values
-                self._collector.update(await self._call("snapshot"))
+                self._collector.update(await self._call("metrics"))
             await asyncio.sleep(POLL_INTERVAL_S)
 
     # ----- admin routes -------------------------------------------------
@@ -121,7 +134,11 @@ class OutputRateHttpPlugin:
     async def _get_stats(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
             return refusal
-        return JSONResponse(await self._call("snapshot"))
+        try:
+            page = parse_page(dict(request.query_params))
+        except OutputRateConfigError as exc:
+            return _error(400, str(exc))
+        return JSONResponse(await self._call("users", page))
 
     async def _put_limits(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
@@ -132,3 +149,21 @@ class OutputRateHttpPlugin:
         except (ValueError, OutputRateConfigError) as exc:
             return _error(400, str(exc))
         return JSONResponse(await self._call("update", payload))
+
+
+def parse_page(query: dict[str, str]) -> dict[str, Any]:
+    """``limit`` and ``after`` of a stats page, validated."""
+    unknown = set(query) - {"limit", "after"}
+    if unknown:
+        raise OutputRateConfigError(
+            f"unknown query parameters {sorted(unknown)}; expected limit, after"
+        )
+    text = query.get("limit", str(DEFAULT_PAGE))
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+        raise OutputRateConfigError(
+            f"limit must be a whole number from 1 to {MAX_PAGE:,}, got {text!r}"
+        )
+    after = query.get("after")
+    if after is not None:
+        validate_user_name(after, "after")
+    return {"limit": int(text), "after": after}

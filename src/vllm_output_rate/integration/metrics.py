@@ -1,10 +1,13 @@
-"""Prometheus metrics from the engine's per-user counters.
+"""Prometheus metrics from the engine's per-label counters.
 
 The counters live in the engine-core process; the API server polls a
 snapshot of them and this collector renders the latest one on vLLM's own
 ``/metrics`` (prometheus_client's default registry). Names follow vLLM's
-``vllm:`` convention; the ``user`` label is bounded (configured users,
-``__anonymous__``, ``__other__``).
+``vllm:`` convention. The ``user`` label is bounded by the engine
+(``scheduling/stats.py: MetricLabels``): the listed users, ``__anonymous__``,
+at most ``--output-rate-metrics-recent-users`` users with recent traffic,
+and ``__other__`` for everyone else; the limit gauge adds ``__default__``.
+So a scrape costs the same with ten users configured or a million.
 """
 
 from __future__ import annotations
@@ -20,10 +23,27 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from vllm_output_rate.config import DEFAULT_KEY, USERS_KEY
-from vllm_output_rate.scheduling.stats import GAP_BUCKETS_S
+from vllm_output_rate.scheduling.stats import FIRST_TOKEN_BUCKETS_S, GAP_BUCKETS_S
 
 PREFIX = "vllm:output_rate_"
+COUNTERS = {
+    "tokens_admitted": "Output tokens dispatched (charged and not refunded)",
+    "refunds": "Tokens refunded because the charged step was not dispatched",
+    "throttled_request_steps": "Request-steps skipped for lack of budget",
+}
+HISTOGRAMS = {
+    "token_gap": (
+        "token_gap_seconds",
+        "Engine-side gap between a user's consecutive dispatched tokens",
+        GAP_BUCKETS_S,
+    ),
+    "first_token": (
+        "time_to_first_token_seconds",
+        "Engine-side time from a request's arrival in the scheduler to the "
+        "step that samples its first token",
+        FIRST_TOKEN_BUCKETS_S,
+    ),
+}
 
 
 class OutputRateCollector(Collector):
@@ -42,15 +62,10 @@ class OutputRateCollector(Collector):
     def collect(self) -> Iterator[Any]:
         if self._snapshot is None:
             return
-        users: dict[str, dict[str, Any]] = self._snapshot["users"]
-        counters = {
-            "tokens_admitted": "Output tokens dispatched (charged and not refunded)",
-            "refunds": "Tokens refunded because the charged step was not dispatched",
-            "throttled_request_steps": "Request-steps skipped for lack of budget",
-        }
-        for key, doc in counters.items():
+        labels: dict[str, dict[str, Any]] = self._snapshot["labels"]
+        for key, doc in COUNTERS.items():
             family = CounterMetricFamily(PREFIX + key, doc, labels=["user"])
-            for label, values in users.items():
+            for label, values in labels.items():
                 family.add_metric([label], values[key])
             yield family
         resident = GaugeMetricFamily(
@@ -58,29 +73,35 @@ class OutputRateCollector(Collector):
             "Resident requests skipped for lack of budget in the last step",
             labels=["user"],
         )
-        gaps = HistogramMetricFamily(
-            PREFIX + "token_gap_seconds",
-            "Engine-side gap between a user's consecutive dispatched tokens",
-            labels=["user"],
-        )
-        for label, values in users.items():
+        for label, values in labels.items():
             resident.add_metric([label], values["resident_throttled"])
-            cumulative, buckets = 0, []
-            for bound, count in zip(
-                [*map(str, GAP_BUCKETS_S), "+Inf"], values["gap_buckets"], strict=True
-            ):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            gaps.add_metric([label], buckets, values["gap_sum_s"])
         yield resident
-        yield gaps
-        limits = self._snapshot["limits"]
+        for key, (name, doc, bounds) in HISTOGRAMS.items():
+            yield _histogram(PREFIX + name, doc, bounds, labels, key)
         limit = GaugeMetricFamily(
             PREFIX + "limit_tokens_per_second",
-            "Configured limit (__default__: users without their own)",
+            "Each labelled user's limit (__default__: users without their own)",
             labels=["user"],
         )
-        limit.add_metric(["__default__"], limits[DEFAULT_KEY])
-        for user, rate in limits[USERS_KEY].items():
-            limit.add_metric([user], rate)
+        for label, rate in self._snapshot["limits"].items():
+            limit.add_metric([label], rate)
         yield limit
+
+
+def _histogram(
+    name: str,
+    doc: str,
+    bounds: tuple[float, ...],
+    labels: dict[str, dict[str, Any]],
+    key: str,
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["user"])
+    upper = [*map(str, bounds), "+Inf"]
+    for label, values in labels.items():
+        histogram = values[key]
+        cumulative, buckets = 0, []
+        for bound, count in zip(upper, histogram["buckets"], strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric([label], buckets, histogram["sum_s"])
+    return family

@@ -6,6 +6,9 @@ It is kept up to date from the requests added and vLLM's ids of the requests
 finished since the last step, O(finished) rather than O(requests): a pass
 over thousands of cache-cold requests showed in the step time.
 
+``FirstTokens`` keeps the requests still waiting for their first token, to
+time it (arrival in the scheduler to the step that samples it).
+
 Requests are vLLM ``Request`` objects, read only through the attributes
 named here (the user this plugin tags them with, ``is_prefill_chunk``).
 """
@@ -102,3 +105,40 @@ class Demand:
                 filterfalse(_is_prefill_chunk, map(requests.__getitem__, scheduled)),
             )
         )
+
+
+class FirstTokens:
+    """Requests waiting for their first token: (user, arrival ns) by id.
+
+    A step's check costs nothing while none waits, and otherwise one C-level
+    intersection of the waiting ids with the step's scheduled ids plus a look
+    at the (few) requests in both.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, tuple[str, int]] = {}
+
+    def add(self, request_id: str, user: str, arrival_ns: int) -> None:
+        self.waiting.setdefault(request_id, (user, arrival_ns))
+
+    def sampled(
+        self, scheduled: Mapping[str, int], requests: Mapping[str, Any]
+    ) -> list[tuple[str, int]]:
+        """(user, arrival ns) of each waiting request whose first token the
+        step sampled: scheduled with a chunk that reached the sequence end
+        (``is_prefill_chunk`` false, set by vLLM after scheduling)."""
+        if not self.waiting:
+            return []
+        firsts = []
+        for request_id in self.waiting.keys() & scheduled.keys():
+            request = requests.get(request_id)
+            if request is not None and not _is_prefill_chunk(request):
+                firsts.append(self.waiting.pop(request_id))
+        return firsts
+
+    def forget_finished(self, requests: Mapping[str, Any]) -> None:
+        """Drop requests that finished (or were aborted) before sampling."""
+        if len(self.waiting) > 0:
+            self.waiting = {
+                rid: entry for rid, entry in self.waiting.items() if rid in requests
+            }

@@ -58,13 +58,14 @@ from vllm_output_rate.scheduling.demand import (
     LAST_SERVED_ATTR,
     USER_ATTR,
     Demand,
+    FirstTokens,
     last_served_of,
     user_of,
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
-from vllm_output_rate.scheduling.stats import OutputRateStats
+from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import inflight_prefills
 
@@ -77,6 +78,8 @@ if TYPE_CHECKING:
 MAX_IDLE_WAIT_S = 0.050
 # Forget idle users' limiter state this often (in steps).
 CLEANUP_EVERY_STEPS = 256
+# The metrics label of the default limit.
+DEFAULT_LABEL = "__default__"
 # An empty, read-only count: building a Counter costs microseconds per step.
 NOTHING: Mapping[str, int] = MappingProxyType({})
 
@@ -100,7 +103,10 @@ class OutputRatePolicy:
         self._prefix_caching = prefix_caching
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         self.demand = Demand()
-        self.stats = OutputRateStats(settings.user_rates)
+        self.first_tokens = FirstTokens()
+        self.stats = OutputRateStats(
+            settings.metrics_users, settings.metrics_recent_users
+        )
         self.dispatch_log = DispatchLog.from_env()
         self._limits_file = (
             LimitsFileWatcher(settings.config_file, logger.warning)
@@ -140,7 +146,9 @@ class OutputRatePolicy:
         setattr(request, LAST_SERVED_ATTR, -1)
 
     def added(self, request: Request) -> None:
-        self.demand.add(request.request_id, user_of(request))
+        user = user_of(request)
+        self.demand.add(request.request_id, user)
+        self.first_tokens.add(request.request_id, user, self.limiter.now_ns())
 
     # ----- the step -----------------------------------------------------
 
@@ -154,8 +162,7 @@ class OutputRatePolicy:
         host = self._host
         self.step += 1
         if self._limits_file and self._limits_file.poll(self.limiter):
-            self.stats.set_named_users(self.limiter.user_rates)
-            self._logger.info("Limits file reloaded: %s", self.limits())
+            self._logger.info("Limits file reloaded: %s", self.limits_summary())
         demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
@@ -279,6 +286,11 @@ class OutputRatePolicy:
             undispatched,
             Counter(map(user_of, self.throttled)) if self.throttled else NOTHING,
         )
+        if self.first_tokens.waiting:
+            self.stats.record_first_tokens(
+                now_ns,
+                self.first_tokens.sampled(output.num_scheduled_tokens, host.requests),
+            )
         self._last_step_idle = output.total_num_scheduled_tokens == 0
         self._engaged = bool(self.budget.refused_users) or (
             len(host.running) > self.active_cap
@@ -289,7 +301,8 @@ class OutputRatePolicy:
             self._user_last_served = {
                 u: s for u, s in self._user_last_served.items() if u in live
             }
-            self.stats.forget_users(live)
+            self.stats.forget_users(live, now_ns)
+            self.first_tokens.forget_finished(host.requests)
 
     # ----- vLLM's per-request hooks --------------------------------------
 
@@ -399,12 +412,40 @@ class OutputRatePolicy:
             user_rates=update.user_rates,
             remove_users=update.remove_users,
         )
-        self.stats.set_named_users(self.limiter.user_rates)
-        self._logger.info("Output rate limits changed: %s", self.limits())
+        self._logger.info("Output rate limits changed: %s", self.limits_summary())
         return self.limits()
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"limits": self.limits(), "users": self.stats.snapshot()}
+    def limits_summary(self) -> str:
+        """The limits for a log line: the table itself only while it is short
+        (a million users would make a 25 MB line)."""
+        rates = self.limiter.user_rates
+        users = rates if len(rates) <= 10 else f"{len(rates):,} users"
+        return f"default {self.limiter.default_rate:g} tok/s, per user {users}"
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Per-label counters and each label's limit (bounded in size)."""
+        labels = self.stats.snapshot()
+        limiter = self.limiter
+        limits = {DEFAULT_LABEL: limiter.default_rate}
+        for label in labels:
+            if label != OTHER_USERS:
+                limits[label] = limiter.rate_of(label)
+        return {"labels": labels, "limits": limits}
+
+    def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
+        """One page of every user on record, with its limit (see
+        ``OutputRateStats.users_page``)."""
+        now_ns = self.limiter.now_ns()
+        users, cursor, total = self.stats.users_page(now_ns, limit, after)
+        for user, view in users.items():
+            view["limit"] = self.limiter.rate_of(user)
+        return {
+            "time_s": now_ns / 1e9,
+            "default_limit": self.limiter.default_rate,
+            "users": users,
+            "next": cursor,
+            "total": total,
+        }
 
     def idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.

@@ -1,12 +1,24 @@
-"""Per-user counters kept by the scheduler (no vLLM import).
+"""Per-user and per-label counters kept by the scheduler (no vLLM import).
 
-Label cardinality stays bounded: users named in the configuration keep their
-own label, requests without a user are ``__anonymous__``, and every other
-user is counted under ``__other__``, so a million distinct names cannot blow
-up the metrics. Updates cost O(users served in the step), not O(tokens), and
-the per-user part runs in C (``map``/``Counter``). A step that serves exactly
-what the previous one served (steady decoding) costs O(labels): it repeats
-that step's per-label update with one new gap.
+Two views of the same counts:
+
+* per **user**, for the admin stats endpoint (paged JSON): tokens
+  dispatched, refunds, throttled request-steps, resident throttled
+  requests, first tokens and their time from arrival. A user's record is
+  kept while it has traffic and for ``USER_RETENTION_S`` after.
+* per **label**, for Prometheus, whose cardinality is bounded by
+  ``MetricLabels``: the explicitly listed users, ``__anonymous__``, and at
+  most ``recent_users`` users with recent traffic have their own label;
+  everyone else counts under ``__other__``. Each label's series only ever
+  grows (a label is never re-used for another user's counts), so rates
+  over any label stay right.
+
+Updates cost O(users served in the step), not O(tokens), and the per-user
+part runs in C (``map``/``Counter``). A step that serves exactly what the
+previous one served (steady decoding) costs O(labels): it repeats that
+step's per-label update with one new gap, and the per-user counts of such
+repeated steps are added up only when the pattern changes or when someone
+reads them.
 """
 
 from __future__ import annotations
@@ -20,10 +32,60 @@ from typing import Any
 from vllm_output_rate.config import ANONYMOUS_USER
 
 OTHER_USERS = "__other__"
+NS_PER_S = 1_000_000_000
 # Upper bounds (seconds) of the histogram of gaps between a user's
 # consecutive dispatched tokens; +Inf is implied.
 GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_GAP_BUCKETS_NS = [round(b * 1e9) for b in GAP_BUCKETS_S]
+# Upper bounds (seconds) of the time from a request's arrival in the
+# scheduler to the step that samples its first token.
+FIRST_TOKEN_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_GAP_BUCKETS_NS = [round(b * NS_PER_S) for b in GAP_BUCKETS_S]
+_FIRST_TOKEN_BUCKETS_NS = [round(b * NS_PER_S) for b in FIRST_TOKEN_BUCKETS_S]
+# A recent user keeps its label this long after its last traffic, so that
+# its series does not flap; then a newly active user may take the label.
+LABEL_IDLE_S = 300.0
+# A user's record (the admin view) is dropped this long after its last
+# traffic; the check runs at most once per CHECK_RETENTION_S.
+USER_RETENTION_S = 600.0
+CHECK_RETENTION_S = 60.0
+
+
+class Histogram:
+    """Cumulative counts per bucket, their sum and count (integer ns)."""
+
+    __slots__ = ("bounds_ns", "buckets", "count", "sum_ns")
+
+    def __init__(self, bounds_ns: list[int]) -> None:
+        self.bounds_ns = bounds_ns
+        self.buckets = [0] * (len(bounds_ns) + 1)  # the last one is +Inf
+        self.sum_ns = 0
+        self.count = 0
+
+    def observe(self, value_ns: int, times: int = 1) -> None:
+        self.buckets[bisect.bisect_left(self.bounds_ns, value_ns)] += times
+        self.sum_ns += value_ns * times
+        self.count += times
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "buckets": list(self.buckets),
+            "sum_s": self.sum_ns / NS_PER_S,
+            "count": self.count,
+        }
 
 
 @dataclass
@@ -32,16 +94,66 @@ class LabelStats:
     refunds: int = 0
     throttled_request_steps: int = 0
     resident_throttled: int = 0
-    gap_buckets: list[int] = field(
-        default_factory=lambda: [0] * (len(GAP_BUCKETS_S) + 1)
+    gaps: Histogram = field(default_factory=lambda: Histogram(_GAP_BUCKETS_NS))
+    first_token: Histogram = field(
+        default_factory=lambda: Histogram(_FIRST_TOKEN_BUCKETS_NS)
     )
-    gap_sum_ns: int = 0
-    gap_count: int = 0
 
-    def observe_gap(self, gap_ns: int, times: int = 1) -> None:
-        self.gap_buckets[bisect.bisect_left(_GAP_BUCKETS_NS, gap_ns)] += times
-        self.gap_sum_ns += gap_ns * times
-        self.gap_count += times
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "tokens_admitted": self.tokens_admitted,
+            "refunds": self.refunds,
+            "throttled_request_steps": self.throttled_request_steps,
+            "resident_throttled": self.resident_throttled,
+            "token_gap": self.gaps.snapshot(),
+            "first_token": self.first_token.snapshot(),
+        }
+
+
+@dataclass(slots=True)
+class UserStats:
+    """One user's counts since ``since_ns`` (its first traffic on record)."""
+
+    since_ns: int
+    last_active_ns: int
+    tokens_admitted: int = 0
+    refunds: int = 0
+    throttled_request_steps: int = 0
+    first_tokens: int = 0
+    first_token_sum_ns: int = 0
+
+
+class MetricLabels:
+    """Which users get their own ``user`` label; at most
+    ``len(always) + recent_users + 2`` labels exist at any time.
+
+    A user with traffic takes a free recent slot if there is one and keeps
+    it until it has been idle for ``LABEL_IDLE_S``; while every slot is
+    taken, newcomers count under ``__other__`` (no churn of series).
+    """
+
+    def __init__(self, always: Iterable[str], recent_users: int) -> None:
+        self.always = frozenset(always)
+        self.recent_users = recent_users
+        self.recent: dict[str, None] = {}  # the users holding a recent slot
+
+    def label_of(self, user: str) -> str:
+        """The user's label, taking a free recent slot if it has none."""
+        label = self.current_label(user)
+        if label == OTHER_USERS and len(self.recent) < self.recent_users:
+            self.recent[user] = None
+            return user
+        return label
+
+    def current_label(self, user: str) -> str:
+        """The user's label now (read-only)."""
+        if user in self.always or user == ANONYMOUS_USER or user in self.recent:
+            return user
+        return OTHER_USERS
+
+    def release(self, users: Iterable[str]) -> None:
+        for user in users:
+            self.recent.pop(user, None)
 
 
 @dataclass
@@ -50,55 +162,68 @@ class _LastStep:
 
     Its users' dispatch time is kept here rather than per user: a next step
     that serves exactly the same counts adds the same per label, with one gap
-    (from this step to that one) per user.
+    (from this step to that one) per user. ``unfolded`` counts the steps
+    with these counts not yet added to the users' records.
     """
 
     served: dict[str, int]
     time_ns: int
     per_label: list[tuple[LabelStats, int, int]]  # (stats, users, tokens)
+    unfolded: int = 1
 
     def count_tokens(self) -> None:
         """Add the step's tokens to each label's counters."""
         for stats, users, tokens in self.per_label:
             stats.tokens_admitted += tokens
             if tokens > users:
-                stats.observe_gap(0, tokens - users)  # same step: gap 0
+                stats.gaps.observe(0, tokens - users)  # same step: gap 0
 
     def repeat(self, now_ns: int) -> None:
         """The same tokens again at ``now_ns``: one gap per user since then."""
         gap_ns = now_ns - self.time_ns
         for stats, users, _ in self.per_label:
-            stats.observe_gap(gap_ns, users)
+            stats.gaps.observe(gap_ns, users)
         self.count_tokens()
         self.time_ns = now_ns
+        self.unfolded += 1
 
 
 class OutputRateStats:
-    def __init__(self, named_users: Iterable[str]) -> None:
-        self._named = set(named_users)
+    def __init__(
+        self, always_labeled: Iterable[str] = (), recent_users: int = 100
+    ) -> None:
+        self.labels = MetricLabels(always_labeled, recent_users)
         self._labels: dict[str, LabelStats] = {}
+        self._users: dict[str, UserStats] = {}
+        # The users' names in order, for paging; None once a user came or went.
+        self._sorted_names: list[str] | None = None
         # Each user's latest dispatch time, except the latest step's users
         # (self._last_step).
         self._last_dispatch_ns: dict[str, int] = {}
         self._last_step: _LastStep | None = None
         self._label_by_user: dict[str, str] = {}
-        self._any_resident_throttled = False
-
-    def set_named_users(self, named_users: Iterable[str]) -> None:
-        self._close_last_step()  # its per-label update uses the old labels
-        self._named = set(named_users)
-        self._label_by_user.clear()
+        # Resident requests skipped for lack of budget in the last step, per
+        # user, and the labels they were counted under.
+        self._resident_throttled: Mapping[str, int] = {}
+        self._throttled_labels: list[LabelStats] = []
+        self._retention_checked_ns: int | None = None
 
     def label_of(self, user: str) -> str:
-        if user in self._named or user == ANONYMOUS_USER:
-            return user
-        return OTHER_USERS
+        return self.labels.label_of(user)
 
     def _stats(self, label: str) -> LabelStats:
         stats = self._labels.get(label)
         if stats is None:
             stats = self._labels[label] = LabelStats()
         return stats
+
+    def _user(self, user: str, now_ns: int) -> UserStats:
+        record = self._users.get(user)
+        if record is None:
+            record = self._users[user] = UserStats(now_ns, now_ns)
+            self._sorted_names = None
+        record.last_active_ns = now_ns
+        return record
 
     def _labels_of(self, users: Iterable[str]) -> list[str]:
         # Cached, so that a step with hundreds of users costs C-level map()
@@ -111,6 +236,8 @@ class OutputRateStats:
                 if user not in cache:
                     cache[user] = self.label_of(user)
             return list(map(cache.__getitem__, users))
+
+    # ----- recording ------------------------------------------------------
 
     def record_step(
         self,
@@ -130,14 +257,29 @@ class OutputRateStats:
                 self._record_served(now_ns, served)
         for user, count in refunded.items():
             self._stats(self.label_of(user)).refunds += count
-        if self._any_resident_throttled:
-            for stats in self._labels.values():
-                stats.resident_throttled = 0
-        self._any_resident_throttled = bool(throttled)
+            self._user(user, now_ns).refunds += count
+        for stats in self._throttled_labels:
+            stats.resident_throttled = 0
+        self._resident_throttled = throttled
+        self._throttled_labels = []
         for user, count in throttled.items():
             stats = self._stats(self.label_of(user))
             stats.throttled_request_steps += count
             stats.resident_throttled += count
+            self._throttled_labels.append(stats)
+            self._user(user, now_ns).throttled_request_steps += count
+
+    def record_first_tokens(
+        self, now_ns: int, arrivals: Iterable[tuple[str, int]]
+    ) -> None:
+        """Requests whose first token the step at ``now_ns`` sampled, as
+        (user, arrival time in ns) pairs, one per request."""
+        for user, arrival_ns in arrivals:
+            waited_ns = max(0, now_ns - arrival_ns)
+            self._stats(self.label_of(user)).first_token.observe(waited_ns)
+            record = self._user(user, now_ns)
+            record.first_tokens += 1
+            record.first_token_sum_ns += waited_ns
 
     def _record_served(self, now_ns: int, served: Mapping[str, int]) -> None:
         """Users served in the same earlier step share one gap, so gaps are
@@ -148,7 +290,7 @@ class OutputRateStats:
         groups = Counter(zip(labels, previous, strict=True))
         for (label, last), users in groups.items():
             if last is not None:
-                self._stats(label).observe_gap(now_ns - last, users)
+                self._stats(label).gaps.observe(now_ns - last, users)
         users_per_label = Counter(labels)
         tokens_per_label = users_per_label
         if sum(served.values()) != len(served):  # someone got several tokens
@@ -162,33 +304,106 @@ class OutputRateStats:
         self._last_step = _LastStep(dict(served), now_ns, per_label)
         self._last_step.count_tokens()
 
+    def _fold_last_step(self) -> None:
+        """Add the latest step's repeated counts to its users' records."""
+        last = self._last_step
+        if last is None or not last.unfolded:
+            return
+        users, times, now_ns = self._users, last.unfolded, last.time_ns
+        for user, count in last.served.items():
+            record = users.get(user)
+            if record is None:
+                record = users[user] = UserStats(now_ns, now_ns)
+                self._sorted_names = None
+            record.tokens_admitted += count * times
+            record.last_active_ns = now_ns
+        last.unfolded = 0
+
     def _close_last_step(self) -> None:
-        """Write the latest step's dispatch time per user."""
+        """Write the latest step's counts and dispatch time per user."""
         if self._last_step is not None:
+            self._fold_last_step()
             last, self._last_step = self._last_step, None
             self._last_dispatch_ns.update(dict.fromkeys(last.served, last.time_ns))
 
-    def forget_users(self, keep: Iterable[str]) -> None:
-        """Drop per-user gap state of users not in ``keep`` (memory bound)."""
+    # ----- memory bounds ----------------------------------------------------
+
+    def forget_users(self, keep: Iterable[str], now_ns: int) -> None:
+        """Drop gap state of users not in ``keep``; release the labels of
+        users idle for ``LABEL_IDLE_S``; drop records idle for
+        ``USER_RETENTION_S`` (checked at most every ``CHECK_RETENTION_S``)."""
         self._close_last_step()
         kept = set(keep)
         self._last_dispatch_ns = {
             u: t for u, t in self._last_dispatch_ns.items() if u in kept
         }
-        self._label_by_user = {
-            u: label for u, label in self._label_by_user.items() if u in kept
-        }
+        idle_labels = [
+            user
+            for user in self.labels.recent
+            if user not in kept and self._idle_s(user, now_ns) >= LABEL_IDLE_S
+        ]
+        if idle_labels:
+            self.labels.release(idle_labels)
+            for user in idle_labels:
+                self._labels.pop(user, None)  # its series ends
+            # Users counted under __other__ may take the freed labels.
+            self._label_by_user.clear()
+        else:
+            self._label_by_user = {
+                u: label for u, label in self._label_by_user.items() if u in kept
+            }
+        checked = self._retention_checked_ns
+        if checked is None or now_ns - checked >= CHECK_RETENTION_S * NS_PER_S:
+            self._retention_checked_ns = now_ns
+            self._sorted_names = None
+            self._users = {
+                user: record
+                for user, record in self._users.items()
+                if user in kept
+                or now_ns - record.last_active_ns < USER_RETENTION_S * NS_PER_S
+            }
+
+    def _idle_s(self, user: str, now_ns: int) -> float:
+        record = self._users.get(user)
+        if record is None:
+            return float("inf")
+        return (now_ns - record.last_active_ns) / NS_PER_S
+
+    # ----- reading ----------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
+        """Per label, for the metrics (at most the bound of MetricLabels)."""
+        return {label: s.snapshot() for label, s in self._labels.items()}
+
+    def users_page(
+        self, now_ns: int, limit: int, after: str | None = None
+    ) -> tuple[dict[str, dict[str, Any]], str | None, int]:
+        """Up to ``limit`` users' records in name order, starting after the
+        name ``after``; returns them, the cursor of the next page (None at
+        the end) and the number of users on record."""
+        self._fold_last_step()
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self._users)
+        names = self._sorted_names
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        page = names[start : start + limit]
+        more = start + limit < len(names)
+        return (
+            {user: self._user_view(user, now_ns) for user in page},
+            page[-1] if more and page else None,
+            len(names),
+        )
+
+    def _user_view(self, user: str, now_ns: int) -> dict[str, Any]:
+        record = self._users[user]
         return {
-            label: {
-                "tokens_admitted": s.tokens_admitted,
-                "refunds": s.refunds,
-                "throttled_request_steps": s.throttled_request_steps,
-                "resident_throttled": s.resident_throttled,
-                "gap_buckets": list(s.gap_buckets),
-                "gap_sum_s": s.gap_sum_ns / 1e9,
-                "gap_count": s.gap_count,
-            }
-            for label, s in self._labels.items()
+            "label": self.labels.current_label(user),
+            "tokens_admitted": record.tokens_admitted,
+            "refunds": record.refunds,
+            "throttled_request_steps": record.throttled_request_steps,
+            "resident_throttled": self._resident_throttled.get(user, 0),
+            "first_tokens": record.first_tokens,
+            "first_token_sum_s": record.first_token_sum_ns / NS_PER_S,
+            "idle_s": (now_ns - record.last_active_ns) / NS_PER_S,
+            "tracked_s": (now_ns - record.since_ns) / NS_PER_S,
         }
