@@ -50,9 +50,11 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # Benchmarks live outside the package; they share the scheduler harness
-# with the tests (tests/harness).
+# with the tests (tests/harness). Options: make bench BENCH_ARGS="--quick"
+# (or "--only accuracy", "--from-results results/bench/<stamp>/results.json").
+BENCH_ARGS ?=
 bench: $(STAMP)
-	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks
+	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks $(BENCH_ARGS)
 
 # A wheel and an sdist in dist/ (the wheel is built from the sdist, so both
 # are checked); tests/test_packaging.py checks what they contain.

@@ -1,6 +1,7 @@
 """5. Rate accuracy: measured rate / limit for several limits and stream
 counts, client side and engine side (the scheduler's dispatch log), plus the
-gap between a user's consecutive tokens as the scheduler dispatched them."""
+gap between a user's consecutive tokens as the scheduler dispatched them.
+Presented by ``benchmarks.report.accuracy``."""
 
 from __future__ import annotations
 
@@ -9,27 +10,19 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import (
     tokens_between,
     wait_until_drained,
 )
-from benchmarks.report_format import (
-    figure_setup,
-    fmt,
-    relative,
-    save_figure,
-    verdict,
-)
+from benchmarks.progress import fmt, log
 from benchmarks.servers import (
     ACC_LIMITS,
     ACC_STREAMS,
     QUICK_ACC_STREAMS,
     ServerPool,
     acc_user,
-    log,
 )
 from vllm_output_rate.loadtest import (
     LoadResult,
@@ -150,7 +143,7 @@ def accuracy(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
     'ours' server (batches of summed limits <= ACC_BATCH_DEMAND tok/s), each
     batch beside a probe: one unthrottled stream.
 
-    Per cell: the client-side span rate as loadgen reports it (tokens after
+    Per cell: the client-side span rate as the load tool reports it (tokens after
     the first over first-to-last token time; requests are cut at the
     deadline), and the engine-side rate and gaps
     between the user's consecutive dispatched tokens, from the scheduler's
@@ -228,6 +221,9 @@ def accuracy(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
         "duration_s": duration,
         "batches": [[acc_user(*c) for c in b] for b in batches],
         "batch_demand_cap": ACC_BATCH_DEMAND,
+        "max_tokens_cap": ACC_MAX_TOKENS_CAP,
+        "skip_s": ACC_SKIP_S,
+        "demand_margin": DEMAND_MARGIN,
         "probe_tok_s": probes,
         "rows": ordered,
         "target": list(ACC_TARGET),
@@ -235,144 +231,3 @@ def accuracy(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
         "dispatch_log_read": engine_ok,
         "engine_complete": all(r["engine_complete"] for r in ordered),
     }
-
-
-def plot_accuracy(results: dict[str, Any], path: Path) -> Path:
-    plt = figure_setup()
-    rows = results["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    labels = [f"{r['limit']:g}x{r['streams']}" for r in rows]
-    xs = range(len(rows))
-    ax = axes[0]
-    ax.bar(
-        [x - 0.2 for x in xs],
-        [r["client_ratio"] or 0 for r in rows],
-        0.4,
-        label="client",
-    )
-    ax.bar(
-        [x + 0.2 for x in xs],
-        [r["engine_ratio"] or 0 for r in rows],
-        0.4,
-        label="engine",
-    )
-    ax.axhspan(*results["target"], color="g", alpha=0.15, label="target 1.00-1.02")
-    for x, r in zip(xs, rows, strict=True):
-        if not r["demand_exceeds_limit"]:
-            ax.annotate("demand\n< limit", (x, 0.05), ha="center", fontsize=6)
-    ax.set_xticks(list(xs), labels, rotation=45, fontsize=8)
-    ax.set_xlabel("limit tok/s x streams")
-    ax.set_ylabel("measured rate / limit")
-    ax.set_ylim(0, 1.2)
-    ax.legend(fontsize=8, loc="lower right")
-    ax = axes[1]
-    ax.plot(
-        list(xs),
-        [r["engine"].get("ideal_gap_ms") for r in rows],
-        "k_",
-        markersize=14,
-        label="1 / limit",
-    )
-    ax.plot(list(xs), [r["engine"].get("gap_p50_ms") for r in rows], "o", label="p50")
-    ax.plot(list(xs), [r["engine"].get("gap_p99_ms") for r in rows], "^", label="p99")
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_xticks(list(xs), labels, rotation=45, fontsize=8)
-    ax.set_xlabel("limit tok/s x streams")
-    ax.set_ylabel("engine-side gap between a user's tokens (ms)")
-    ax.legend(fontsize=8)
-    fig.suptitle("Rate accuracy")
-    return save_figure(fig, path)
-
-
-def format_accuracy(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
-    r = results
-    probes = ", ".join(f"{p:,.0f}" for p in r["probe_tok_s"])
-    lines = [
-        "## 5. Rate accuracy",
-        "",
-        "Each cell is one user with that limit and that many concurrent streams, "
-        f"{r['duration_s']:g} s of load. Each stream sends one request with "
-        "max_tokens about 1.2 x limit x duration / streams (at most "
-        f"{ACC_MAX_TOKENS_CAP}; servers run with `--max-model-len 4096`), so "
-        "that it is still open at the deadline, where the client cuts it: the "
-        "user's demand never pauses. (With requests that end during the run, "
-        "a user's streams, which take turns, end together, and the user asks "
-        "for nothing until the client's next requests reach the engine; on "
-        "this machine that takes long enough, hundreds of ms, to cost one-"
-        "stream and 100 tok/s users 1-10 % of their rate, which measures the "
-        "HTTP path, not the limiter.) "
-        "Cells run concurrently on the limited server, in batches whose limits "
-        f"sum to at most {r['batch_demand_cap']:g} tok/s, each beside a probe "
-        "(one stream, no binding limit): "
-        + "; ".join("[" + ", ".join(b) + "]" for b in r["batches"])
-        + f". Probe rate per batch: {probes} tok/s. vLLM gives every running "
-        "decode one token per step, so the probe's rate is what each stream of "
-        "a cell could have had: a cell's demand exceeds its limit, and the "
-        f"target applies, when streams x probe rate >= {DEMAND_MARGIN:g} x limit. "
-        "**client** = the client span rate, loadgen's figure: (tokens - 1) / "
-        "time from the user's first to its last token over all its streams "
-        "(requests are cut at the deadline, so there is no tail); "
-        "**engine** = the scheduler's own count from its dispatch log, from "
-        f"the first dispatch + {ACC_SKIP_S:g} s (after the 100 ms burst) to the "
-        "deadline: the exact rate, free of HTTP delivery timing. Gaps are "
-        "between a user's consecutive dispatched tokens "
-        "(engine clock; tokens dispatched in the same step have gap 0). The "
-        "verdict uses the engine rate rounded to two decimals, the target's "
-        "precision, and requires that the client never received more tokens "
-        "than the article's bound allows ((span + 0.1 s) x limit + 1, plus "
-        "0.25 s of HTTP timing). It does not use the client rate because on "
-        "this 2-core machine the HTTP front end delivers tokens with a lag "
-        "that drifts by up to about 0.5 s over a run (measured while "
-        "investigating: the 500 tok/s x 16 streams cell read 1.025 at the "
-        "client in a full run and 1.005 in the next run of this benchmark "
-        "alone, with engine rates of 1.000 in both): over 20 s that is "
-        "+-2.5 %, wider than the target band itself.",
-        "",
-        "| limit | streams | max_tokens | tokens | client / limit "
-        "| engine / limit | gap p50 ms | gap p99 ms | 1/limit ms | target |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in r["rows"]:
-        e = row["engine"]
-        if row["met"] is None:
-            target = (
-                "n.a. (demand < limit)" if not row["demand_exceeds_limit"] else "n.a."
-            )
-        else:
-            target = verdict(row["met"])
-        lines.append(
-            f"| {row['limit']:g} | {row['streams']} | {row['max_tokens']} "
-            f"| {row['tokens']:,} | {fmt(row['client_ratio'], 3)} "
-            f"| {fmt(row['engine_ratio'], 3)} "
-            f"| {fmt(e.get('gap_p50_ms'), 1)} | {fmt(e.get('gap_p99_ms'), 1)} "
-            f"| {fmt(e.get('ideal_gap_ms'), 1)} | {target} |"
-        )
-    judged = [x for x in r["rows"] if x["met"] is not None]
-    missed = [f"{x['limit']:g}x{x['streams']}" for x in judged if not x["met"]]
-    client = [x["client_ratio"] for x in judged if x["client_ratio"] is not None]
-    lines += [
-        "",
-        f"**Target engine rate / limit in [{r['target'][0]:.2f}, "
-        f"{r['target'][1]:.2f}], client within the bound, where demand "
-        "exceeds the limit: "
-        f"{verdict(r['met'])}** ({len(judged) - len(missed)} of {len(judged)} "
-        "cells"
-        + (f"; missed: {', '.join(missed)}" if missed else "")
-        + ")."
-        + (
-            f" Client rate / limit over the same cells: {min(client):.3f} "
-            f"to {max(client):.3f}."
-            if client
-            else ""
-        ),
-        "",
-    ]
-    if not r["dispatch_log_read"] or not r.get("engine_complete", True):
-        lines += [
-            "(The dispatch log was missing or incomplete for some cells: their "
-            "engine-side figures are partial.)",
-            "",
-        ]
-    path = plot_accuracy(r, figures_dir / "accuracy.png")
-    lines += [f"![rate accuracy]({relative(path, md_dir)})", ""]
-    return "\n".join(lines)

@@ -17,7 +17,6 @@ JSON line per round.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -29,10 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks import step_timing
-from benchmarks.measure import OthersCpu
-from benchmarks.report_format import median, quartiles
-from benchmarks.servers import DEFAULT_LIMIT, hook_python_path, log
+from benchmarks import hooks, step_timing
+from benchmarks.measure import median, quartiles
+from benchmarks.noise import OthersCpu, tree_cpu
+from benchmarks.progress import log
+from benchmarks.servers import DEFAULT_LIMIT
 from vllm_output_rate.demo.server import DEFAULT_ENV
 
 STREAMS = 32
@@ -116,8 +116,8 @@ class _Engine:
         if kind == "stock":
             env["VLLM_PLUGINS"] = ""  # the plugin is not even loaded
         self.kind = kind
-        log_path = str(work_dir / f"engine-{kind}.log")
-        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.log_path = work_dir / f"engine-{kind}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, "--child", kind, "--model", model],
             stdin=subprocess.PIPE,
@@ -132,6 +132,7 @@ class _Engine:
         threading.Thread(target=self._pump, daemon=True).start()
         try:
             self.info = self._read(READY_TIMEOUT_S)
+            hooks.check_log(self.log_path, step_timing.HOOK_NAME)
         except BaseException:
             self.process.kill()  # it failed to start: nothing to wait for
             self.close()
@@ -139,18 +140,7 @@ class _Engine:
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the child and its engine processes."""
-        import psutil
-
-        total = 0.0
-        try:
-            leader = psutil.Process(self.process.pid)
-            for proc in [leader, *leader.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    times = proc.cpu_times()
-                    total += times.user + times.system
-        except psutil.Error:
-            pass
-        return total
+        return sum(tree_cpu(self.process.pid).values())
 
     def _pump(self) -> None:
         stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
@@ -209,7 +199,7 @@ def engine_throughput(
     """Paired rounds of the same load on a stock and an 'ours' engine;
     ``settle`` runs before each measurement (the quiet-machine gate)."""
     rounds = 4 if quick else 16
-    python_path = hook_python_path(work_dir / "step-timing-hook", step_timing.HOOK)
+    python_path = hooks.install(work_dir / "step-timing-hook", step_timing.HOOK)
     engines: dict[str, _Engine] = {}
     try:
         for kind in KINDS:  # one at a time: start-up is CPU-heavy
@@ -255,6 +245,7 @@ def engine_throughput(
         "streams": STREAMS,
         "max_tokens": MAX_TOKENS,
         "generates_per_round": GENERATES_PER_ROUND,
+        "default_limit": DEFAULT_LIMIT,
         "scheduler_cls": scheduler_cls,
         "step_timing": timing,
         "runs": runs,

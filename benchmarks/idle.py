@@ -1,14 +1,14 @@
 """3. Idle engine while throttled: CPU time of the engine-core process
 while only throttled requests are in flight, against the same plugin with its
 idle wait switched off (vLLM's own 1 ms loop, reproduced by a benchmark-only
-hook) and against stock vLLM decoding the same streams."""
+hook) and against stock vLLM decoding the same streams. Presented by
+``benchmarks.report.idle``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,17 +19,11 @@ from benchmarks.measure import (
     server_processes,
     wait_until_drained,
 )
-from benchmarks.report_format import (
-    figure_setup,
-    relative,
-    save_figure,
-    verdict,
-)
+from benchmarks.progress import log
 from benchmarks.servers import (
     IDLE_STREAMS,
     IDLE_USER,
     ServerPool,
-    log,
 )
 from vllm_output_rate.demo.server import RunningServer
 from vllm_output_rate.loadtest import LoadSpec, UserLoad
@@ -105,13 +99,17 @@ async def _cpu_with_streams(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    elapsed = t1 - t0
-    cpu = delta(after, before)
+    tokens = sum(1 for t in arrivals if t0 <= t <= t1)
+    return _window(delta(after, before), t1 - t0, tokens)
+
+
+def _window(cpu: dict[str, float], elapsed: float, tokens: int) -> dict[str, Any]:
+    """One measured window: CPU seconds per process role, as % of a core."""
     return {
         "window_s": elapsed,
         "cpu_s": cpu,
         "cpu_pct": {k: 100 * v / elapsed for k, v in cpu.items()},
-        "tokens_in_window": sum(1 for t in arrivals if t0 <= t <= t1),
+        "tokens_in_window": tokens,
     }
 
 
@@ -180,13 +178,7 @@ def idle(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
             t0 = time.monotonic()
             time.sleep(window)
             cpu = delta(cpu_seconds(procs), before)
-            elapsed = time.monotonic() - t0
-            data = {
-                "window_s": elapsed,
-                "cpu_s": cpu,
-                "cpu_pct": {k: 100 * v / elapsed for k, v in cpu.items()},
-                "tokens_in_window": 0,
-            }
+            data = _window(cpu, time.monotonic() - t0, 0)
             drained = True
         rows.append(
             {
@@ -214,97 +206,3 @@ def idle(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
         "ours_engine_core_pct": engine_pct,
         "met": engine_pct < IDLE_TARGET_PCT,
     }
-
-
-def plot_idle(results: dict[str, Any], path: Path) -> Path:
-    plt = figure_setup()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    rows = results["rows"]
-    roles = [
-        ("engine_core", "engine core"),
-        ("worker", "model worker"),
-        ("api_server", "API server"),
-    ]
-    width = 0.26
-    for k, (role, label) in enumerate(roles):
-        ax.bar(
-            [i + (k - 1) * width for i in range(len(rows))],
-            [r["cpu_pct"].get(role, 0.0) for r in rows],
-            width,
-            label=label,
-        )
-    ax.axhline(
-        results["target_pct"],
-        color="k",
-        linestyle="--",
-        linewidth=1,
-        label="target (engine core)",
-    )
-    ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
-    ax.set_ylabel("CPU, % of one core")
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_title("CPU while only throttled requests are in flight")
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
-def format_idle(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
-    r = results
-    lines = [
-        "## 3. Idle engine while throttled",
-        "",
-        f"User+system CPU time of each server process over a {r['window_s']:g} s "
-        f"window (after {r['warmup_s']:g} s of warm-up), as % of one core. The "
-        "engine core is the process titled `VLLM::EngineCore` (scheduler and "
-        "engine loop); the model runs in `VLLM::Worker`. Stock vLLM cannot "
-        "hold requests in flight without progress, so what is compared is: "
-        "ours with only throttled requests; the same with the plugin's idle "
-        "wait replaced by a no-op (a benchmark-only `sitecustomize` hook on "
-        "that server's PYTHONPATH; the package has no such switch), which "
-        "leaves vLLM's own loop of schedule, empty model step and `sleep(1 ms)`: "
-        "this is what a throttled engine would cost without the wait; stock "
-        "vLLM decoding the same 8 streams (busy, for scale); and stock with no "
-        "request at all (the floor).",
-        "",
-        "| case | what runs | tokens in window | engine core % | worker % "
-        "| API server % |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for row in r["rows"]:
-        pct = row["cpu_pct"]
-        lines.append(
-            f"| {row['case']} | {row['description']} | {row['tokens_in_window']} "
-            f"| {pct.get('engine_core', 0):.1f} | {pct.get('worker', 0):.1f} "
-            f"| {pct.get('api_server', 0):.1f} |"
-        )
-    nowait = next(x for x in r["rows"] if x["case"] == "ours-nowait")
-    ours = next(x for x in r["rows"] if x["case"] == "ours")
-    worker_pct = ours["cpu_pct"].get("worker", 0.0)
-    lines += [
-        "",
-        f"**Ours, throttled: engine core at {r['ours_engine_core_pct']:.1f} % of one "
-        f"core**; target below {r['target_pct']:g} %: {verdict(r['met'])}. Without "
-        f"the idle wait the same state costs "
-        f"{nowait['cpu_pct'].get('engine_core', 0):.1f} % (engine core) + "
-        f"{nowait['cpu_pct'].get('worker', 0):.1f} % (worker).",
-        "",
-    ]
-    if worker_pct > 20:
-        lines += [
-            f"The model worker, however, stays busy ({worker_pct:.0f} % of a core) "
-            "in the throttled state. It is not computing: vLLM's shared-memory "
-            "message queue (`shm_broadcast.SpinCondition`) spins on "
-            "`sched_yield()` for 1 s after every message before it blocks, and "
-            "the throttled engine sends the worker a message at every wake-up "
-            "(the idle wait lasts at most 50 ms, after which an empty step still "
-            "calls `execute_model`) and for every due token (1 tok/s here). "
-            "Stock vLLM's worker spins the same way whenever it gets a step at "
-            "least once a second; with no request at all it blocks (last row). "
-            "The target is about the engine core, and it is met; the worker's "
-            "spin is reported here so that the figure is not mistaken for the "
-            "whole cost.",
-            "",
-        ]
-    path = plot_idle(r, figures_dir / "idle.png")
-    lines += [f"![CPU while throttled]({relative(path, md_dir)})", ""]
-    return "\n".join(lines)

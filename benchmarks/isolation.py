@@ -1,26 +1,15 @@
 """4. Isolation: one light user beside a heavy user with many streams, with
 and without limits; the light user's tokens/s and TTFT beside the heavy one
-divided by the same alone."""
+divided by the same alone. Presented by ``benchmarks.report.isolation``."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import (
-    OthersCpu,
-    tokens_between,
-    wait_until_drained,
-)
-from benchmarks.report_format import (
-    figure_setup,
-    fmt,
-    median,
-    relative,
-    save_figure,
-    verdict,
-)
+from benchmarks.measure import median, tokens_between, wait_until_drained
+from benchmarks.noise import OthersCpu
+from benchmarks.progress import fmt, log
 from benchmarks.servers import (
     ISO_A,
     ISO_A_LIMIT,
@@ -28,7 +17,6 @@ from benchmarks.servers import (
     ISO_B,
     ISO_B_LIMIT,
     ServerPool,
-    log,
 )
 from vllm_output_rate.loadtest import (
     LoadResult,
@@ -96,7 +84,9 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
     model = pool.model
     pool.start("stock", "ours")
     runs = []
-    timelines: dict[str, dict[str, LoadResult]] = {}
+    # Per server, the first round's A and B-beside-A loads, request by
+    # request (LoadResult.to_dict), for the report's timeline figure.
+    timelines: dict[str, dict[str, Any]] = {}
     for i in range(rounds):
         order = ("stock", "ours") if i % 2 == 0 else ("ours", "stock")
         for name in order:
@@ -151,7 +141,7 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
             )
             runs.append(row)
             timelines.setdefault(
-                name, {"B alone": alone, "B beside A": b_result, "A": a_result}
+                name, {"A": a_result.to_dict(), "B beside A": b_result.to_dict()}
             )
             log(
                 f"isolation round {i + 1}/{rounds} {name}: B alone "
@@ -168,135 +158,18 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
             "a_tok_s_while_b": median(r["a_tok_s_while_b"] for r in mine),
         }
     ours_ratio = summary["ours"]["tok_s_ratio"]
-    results = {
+    return {
         "quick": quick,
         "rounds": rounds,
         "duration_s": duration,
         "lead_s": ISO_LEAD_S,
         "max_tokens": ISO_MAX_TOKENS,
+        "a_streams": ISO_A_STREAMS,
+        "a_limit": ISO_A_LIMIT,
+        "b_limit": ISO_B_LIMIT,
         "runs": runs,
         "summary": summary,
         "target": ISO_TARGET,
         "met": ours_ratio is not None and ours_ratio >= ISO_TARGET,
+        "timelines": timelines,
     }
-    # Kept out of the JSON (LoadResult is not JSON); used for the figure.
-    results["_timelines"] = timelines
-    return results
-
-
-def plot_isolation(results: dict[str, Any], path: Path) -> Path:
-    plt = figure_setup()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    names = ("stock", "ours")
-    labels = {"stock": "stock vLLM", "ours": "with limits"}
-    for ax, (key, ylabel) in zip(
-        axes, (("tok_s", "B tokens/s"), ("ttft_p50_ms", "B TTFT p50 (ms)")), strict=True
-    ):
-        for k, phase in enumerate(("alone", "beside")):
-            values = [
-                median(r[phase][key] for r in results["runs"] if r["server"] == n)
-                or 0.0
-                for n in names
-            ]
-            ax.bar(
-                [i + (k - 0.5) * 0.38 for i in range(len(names))],
-                values,
-                0.38,
-                label="B alone" if phase == "alone" else "B beside A (32 streams)",
-            )
-        ax.set_xticks(range(len(names)), [labels[n] for n in names])
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    fig.suptitle("Isolation: light user B beside heavy user A")
-    return save_figure(fig, path)
-
-
-def format_isolation(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
-    r = results
-    lines = [
-        "## 4. Isolation: a light user beside a heavy one",
-        "",
-        f"User B: 1 stream x {r['max_tokens']} tokens (limit {ISO_B_LIMIT:g} tok/s "
-        f"on ours), {r['duration_s']:g} s, first alone, then beside user A: "
-        f"{ISO_A_STREAMS} streams x {r['max_tokens']} tokens (limit "
-        f"{ISO_A_LIMIT:g} tok/s on ours), started {r['lead_s']:g} s before B. "
-        "Stock vLLM gets the same load without limits. B's tokens/s is its "
-        "first-to-last-token span rate; TTFT is per request, p50. A's rate is "
-        "over B's run. On ours A's requests cannot finish at 10 tok/s over 32 "
-        "streams; the client cuts them shortly after B's run ends. TTFT is "
-        "timed by the client, so it includes the API server's HTTP path, which "
-        "on this machine often takes hundreds of ms for a lone stream on either "
-        "server; read the TTFT ratio with that in mind. "
-        f"{r['rounds']} round(s), servers alternating; ratios are medians "
-        "over rounds.",
-        "",
-        "| server | round | B alone tok/s | B beside A tok/s | ratio | B TTFT p50 "
-        "alone ms | beside ms | ratio | A tok/s beside B |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in r["runs"]:
-        al, be = row["alone"], row["beside"]
-        lines.append(
-            f"| {row['server']} | {row['round'] + 1} | {fmt(al['tok_s'], 0)} "
-            f"| {fmt(be['tok_s'], 0)} | {fmt(row['tok_s_ratio'], 3)} "
-            f"| {fmt(al['ttft_p50_ms'], 0)} | {fmt(be['ttft_p50_ms'], 0)} "
-            f"| {fmt(row['ttft_ratio'], 2)} | {row['a_tok_s_while_b']:,.0f} |"
-        )
-    s, o = r["summary"]["stock"], r["summary"]["ours"]
-    lines += [
-        "",
-        f"**With limits, B beside A / B alone: {fmt(o['tok_s_ratio'], 3)} "
-        f"(tokens/s), {fmt(o['ttft_ratio'], 2)} (TTFT p50)**; target >= "
-        f"{r['target']:g} for tokens/s: {verdict(r['met'])}. Stock vLLM: "
-        f"{fmt(s['tok_s_ratio'], 3)} (tokens/s), {fmt(s['ttft_ratio'], 2)} "
-        f"(TTFT), with A taking {fmt(s['a_tok_s_while_b'], 0)} tok/s "
-        f"(ours: {fmt(o['a_tok_s_while_b'], 0)}).",
-        "",
-    ]
-    path = plot_isolation(r, figures_dir / "isolation.png")
-    lines += [f"![isolation]({relative(path, md_dir)})", ""]
-    timelines = r.get("_timelines")
-    if timelines and "stock" in timelines and "ours" in timelines:
-        from vllm_output_rate.loadtest.report import plot_rates
-
-        merged = {}
-        for name, label in (("stock", "stock vLLM"), ("ours", "with limits")):
-            merged[label] = _merge_results(
-                timelines[name]["A"], timelines[name]["B beside A"]
-            )
-        timeline = plot_rates(
-            merged,
-            figures_dir / "isolation_timeline.png",
-            title="User A (32 streams) and user B (1 stream): tokens/s over time",
-        )
-        lines += [f"![isolation over time]({relative(timeline, md_dir)})", ""]
-    return "\n".join(lines)
-
-
-def _merge_results(a: LoadResult, b: LoadResult) -> LoadResult:
-    """One result with A's and B's users (B's times shifted by the lead)."""
-    from dataclasses import replace
-
-    shifted = []
-    for rec in b.records:
-        shifted.append(
-            replace(
-                rec,
-                start_s=rec.start_s + ISO_LEAD_S,
-                end_s=None if rec.end_s is None else rec.end_s + ISO_LEAD_S,
-                first_token_s=None
-                if rec.first_token_s is None
-                else rec.first_token_s + ISO_LEAD_S,
-                chunks=[(t + ISO_LEAD_S, n) for t, n in rec.chunks],
-            )
-        )
-    spec = LoadSpec(
-        base_url=a.spec.base_url,
-        model=a.spec.model,
-        users=[*a.spec.users, *b.spec.users],
-        max_tokens=a.spec.max_tokens,
-        duration_s=a.spec.duration_s,
-    )
-    return LoadResult.build(
-        spec, [*a.records, *shifted], max(a.elapsed_s, b.elapsed_s + ISO_LEAD_S)
-    )

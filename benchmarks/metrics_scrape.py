@@ -10,9 +10,12 @@ that matters is the ratio of each size's scrape to the smallest one's: the
 ``user`` label is bounded, so it should stay near 1 (before the bound, the
 issue measured 13.5 MB and 2.1 s at 200,000 users).
 
-Run alone (it is self-contained)::
+Run alone (it is self-contained; it prints the report's table)::
 
     PYTHONPATH=tests:. .venv/bin/python -m benchmarks.metrics_scrape [--quick]
+
+``make bench`` runs it as section 6; presented by
+``benchmarks.report.metrics_scrape``.
 """
 
 from __future__ import annotations
@@ -137,47 +140,20 @@ def metrics_scrape(quick: bool = False) -> dict[str, Any]:
     for row in rows:
         row["scrape_ratio"] = row["scrape_s"] / base
     ratio = rows[-1]["scrape_ratio"]
-    return {"rows": rows, "ratio": ratio, "met": ratio <= TARGET_RATIO}
-
-
-def format_metrics_scrape(results: dict[str, Any]) -> str:
-    lines = [
-        "| configured users | users with traffic | /metrics size | our lines | "
-        "`user` labels | scrape (median of 15) | vs 10^3 | admin stats, all pages |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in results["rows"]:
-        lines.append(
-            f"| {row['configured_users']:,} | {row['users_with_traffic']:,} | "
-            f"{row['scrape_bytes'] / 1024:,.0f} KiB | {row['our_lines']:,} | "
-            f"{row['user_labels']} | {1000 * row['scrape_s']:.1f} ms | "
-            f"{row['scrape_ratio']:.2f}x | {1000 * row['stats_pass_s']:.0f} ms |"
-        )
-    verdict = "met" if results["met"] else "**missed**"
-    lines.append("")
-    lines.append(
-        f"Target: a scrape at the largest size within {TARGET_RATIO}x of the "
-        f"smallest: {results['ratio']:.2f}x, {verdict}."
-    )
-    return "\n".join(lines)
+    return {
+        "quick": quick,
+        "rows": rows,
+        "distinct_users": DISTINCT_USERS,
+        "scrapes": SCRAPES,
+        "ratio": ratio,
+        "target_ratio": TARGET_RATIO,
+        "met": ratio <= TARGET_RATIO,
+    }
 
 
 def metrics_scrape_bench(pool: object, quick: bool) -> dict[str, Any]:
     """For ``python -m benchmarks``: it starts its own server, not the pool's."""
     return metrics_scrape(quick)
-
-
-def metrics_scrape_section(results: dict[str, Any], figures: Path, md: Path) -> str:
-    return (
-        "## 6. Metrics scrape against configured users\n\n"
-        "One vLLM server with the plugin; its user table grows through the admin "
-        "endpoint to 10^3, 10^5 and 10^6 users with their own limit, and at each "
-        f"size {DISTINCT_USERS} more distinct users send a request (more users "
-        "want a `user` label than there are). `GET /metrics` is timed "
-        f"{SCRAPES} times (median), and one pass over every page of the admin "
-        "stats endpoint. Before the label bound the issue measured 13.5 MB and "
-        "2.1 s per scrape at 200,000 users.\n\n" + format_metrics_scrape(results)
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     results = metrics_scrape(args.quick)
-    print(format_metrics_scrape(results))
+    from benchmarks.report.metrics_scrape import table
+
+    print("\n".join(table(results)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -5,15 +5,21 @@ a pool that starts them on demand, in parallel, and keeps them running."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.measure import QUIET_BUDGET_S, QuietGate
-from vllm_output_rate.demo.server import RunningServer, running_server
+from benchmarks import hooks
+from benchmarks.hooks import hook_source
+from benchmarks.noise import QUIET_BUDGET_S, QuietGate
+from benchmarks.progress import log
+from vllm_output_rate.demo.server import (
+    DEFAULT_ARGS,
+    DEFAULT_ENV,
+    RunningServer,
+    running_server,
+)
 from vllm_output_rate.scheduling.dispatch_log import ENV as DISPATCH_LOG_ENV
 
 # ----- configuration shared by every server ----------------------------------
@@ -34,33 +40,39 @@ ACC_STREAMS: tuple[int, ...] = (1, 4, 16)
 QUICK_ACC_STREAMS: tuple[int, ...] = (1, 16)
 
 NO_IDLE_WAIT_ENV = "VLLM_OUTPUT_RATE_BENCH_NO_IDLE_WAIT"
-# Benchmark-only hook, put on PYTHONPATH of one server: every process of that
-# server (the engine core included) imports it at start. It replaces the
-# plugin's idle wait by a no-op, which leaves vLLM's own loop: a step that
-# runs no model work is followed by time.sleep(0.001) while requests exist.
-# The package itself has no switch for this; this is only a counterfactual.
-NO_IDLE_WAIT_HOOK = f'''\
-import os
+NO_IDLE_WAIT_HOOK_NAME = "no-idle-wait"
+# Benchmark-only hook (benchmarks.hooks) on one server's PYTHONPATH: every
+# process of that server (the engine core included) imports it at start. It
+# replaces the plugin's idle wait by a no-op, which leaves vLLM's own loop: a
+# step that runs no model work is followed by time.sleep(0.001) while
+# requests exist. The package itself has no switch for this; this is only a
+# counterfactual. It fails (and the pool refuses the server) if the plugin's
+# engine loop no longer has the function it replaces.
+NO_IDLE_WAIT_HOOK = hook_source(
+    NO_IDLE_WAIT_HOOK_NAME,
+    NO_IDLE_WAIT_ENV,
+    """
+    from vllm_output_rate.integration import engine_loop
 
-if os.environ.get("{NO_IDLE_WAIT_ENV}") == "1":
-    try:
-        from vllm_output_rate.integration import engine_loop
-
-        engine_loop.wait_for_budget = lambda engine_core: None
-    except Exception:  # never break interpreter start-up
-        pass
-'''
+    if not callable(getattr(engine_loop, "wait_for_budget", None)):
+        raise AttributeError("engine_loop.wait_for_budget is gone")
+    engine_loop.wait_for_budget = lambda engine_core: None
+    """,
+)
 
 
-def hook_python_path(hook_dir: Path, source: str) -> str:
-    """Write ``source`` as ``hook_dir/sitecustomize.py`` (a benchmark-only
-    hook that every Python process started with the result imports) and
-    return a PYTHONPATH that puts it first."""
-    hook_dir.mkdir(parents=True, exist_ok=True)
-    (hook_dir / "sitecustomize.py").write_text(source)
-    return os.pathsep.join(
-        p for p in (str(hook_dir), os.environ.get("PYTHONPATH", "")) if p
-    )
+def common_flags() -> dict[str, object]:
+    """The engine flags and environment every benchmark server runs with
+    (the demo server's defaults under SERVER_ARGS; a later flag wins, as in
+    vLLM's argument parser), for the report: flag -> value (True for a
+    switch)."""
+    flags: dict[str, object] = {}
+    args = [*DEFAULT_ARGS, *SERVER_ARGS]
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            value = args[i + 1] if i + 1 < len(args) else None
+            flags[arg] = True if value is None or value.startswith("--") else value
+    return {"flags": flags, "env": dict(DEFAULT_ENV)}
 
 
 def acc_user(limit: float, streams: int) -> str:
@@ -85,10 +97,6 @@ def ours_limit_flags() -> list[str]:
     ]
 
 
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 # ----- servers -----------------------------------------------------------------
 
 
@@ -98,6 +106,7 @@ class ServerConfig:
     description: str
     args: list[str]
     env: dict[str, str]
+    hook: str | None = None  # a benchmarks.hooks hook that must have run
 
 
 class _ServerThread(threading.Thread):
@@ -155,7 +164,7 @@ class ServerPool:
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.dispatch_log_path = self.work_dir / "dispatch.csv"
-        python_path = hook_python_path(
+        python_path = hooks.install(
             self.work_dir / "no-idle-wait-hook", NO_IDLE_WAIT_HOOK
         )
         self.configs: dict[str, ServerConfig] = {
@@ -173,6 +182,7 @@ class ServerPool:
                 "with limits, idle wait switched off (vLLM's 1 ms loop)",
                 [*SERVER_ARGS, *ours_limit_flags()],
                 {"PYTHONPATH": python_path, NO_IDLE_WAIT_ENV: "1"},
+                hook=NO_IDLE_WAIT_HOOK_NAME,
             ),
         }
         self.gate = QuietGate(QUIET_BUDGET_S[quick])
@@ -207,6 +217,13 @@ class ServerPool:
                 raise RuntimeError(
                     f"server {name!r} did not start: {thread.error}"
                 ) from thread.error
+            hook = self.configs[name].hook
+            if hook is not None:
+                try:
+                    hooks.check_log(self.logs[name], hook)
+                except RuntimeError:
+                    self.stop(name)
+                    raise
             self.start_times_s[name] = thread.start_s
             log(f"server {name} up at {thread.url} after {thread.start_s:.0f} s")
 

@@ -4,7 +4,7 @@ The scheduler benchmark (section 2) runs steps back to back, with warm
 caches; inside an engine, the engine core waits for the model between steps
 and its caches go cold, so the same code costs more there. The engine
 throughput benchmark installs this module in its engine processes through a
-``sitecustomize`` hook (never the package itself): it wraps vLLM's
+``sitecustomize`` hook (``benchmarks.hooks``): it wraps vLLM's
 ``Scheduler.schedule`` (vLLM's own work) and, once the engine core has built
 its scheduler, that instance's ``schedule`` (the whole call, ours included),
 ``update_from_output`` and the engine core's whole step, and writes the
@@ -20,21 +20,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.hooks import hook_source
+
 PATH_ENV = "VLLM_OUTPUT_RATE_BENCH_STEP_TIMING"
 WRITE_EVERY = 256
 
-# Put on PYTHONPATH as sitecustomize.py: runs at start-up in every process.
-HOOK = f'''\
-import os
+HOOK_NAME = "step-timing"
+# Put on PYTHONPATH as sitecustomize.py (benchmarks.hooks): runs at start-up
+# in every process of an engine that has PATH_ENV set.
+HOOK = hook_source(
+    HOOK_NAME,
+    PATH_ENV,
+    f"""
+    from benchmarks import step_timing
 
-if os.environ.get("{PATH_ENV}"):
-    try:
-        from benchmarks import step_timing
-
-        step_timing.install(os.environ["{PATH_ENV}"])
-    except Exception:  # never break interpreter start-up
-        pass
-'''
+    step_timing.install(os.environ["{PATH_ENV}"])
+    """,
+)
 
 
 def _timed(function: Callable, add: Callable[[int], None]) -> Callable:

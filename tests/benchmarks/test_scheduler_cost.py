@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import scheduler_cost
+from benchmarks.report import scheduler_cost as report
+from benchmarks.scheduler_workload import STATES
 
 R = 64
 
@@ -65,10 +67,10 @@ def test_limiter_calls_grow_with_users_not_requests(results: dict) -> None:
 
 
 def test_markdown_and_plot(results: dict, tmp_path) -> None:
-    plot = tmp_path / "cost.png"
-    text = scheduler_cost.format_markdown(results, plot)
-    assert plot.stat().st_size > 0
-    for state, title in scheduler_cost.STATES.items():
+    text = report.section(results, tmp_path / "docs", tmp_path)
+    assert (tmp_path / "docs" / report.FIGURE).stat().st_size > 0
+    assert f"![µs per schedule() against R](docs/{report.FIGURE})" in text
+    for state, title in STATES.items():
         assert f"### ({state}) {title}" in text
     assert "| R | U |" in text
     assert f"| {R} | 16 |" in text

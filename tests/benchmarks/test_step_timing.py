@@ -1,31 +1,12 @@
-"""The engine-throughput benchmark's timing hook (benchmark-only code)."""
+"""The engine-throughput benchmark's step timing (benchmark-only code); its
+hook in a fresh interpreter: test_hooks."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks import step_timing
-
-
-def test_the_hook_keeps_the_plugins_seam_checks_true(tmp_path: Path) -> None:
-    # Installed in a fresh interpreter: it wraps vLLM classes process-wide.
-    # The 'ours' engine refuses to start if a wrapper hid what the plugin's
-    # start-up checks read (signatures, source).
-    code = (
-        "from benchmarks import step_timing\n"
-        f"step_timing.install({str(tmp_path / 'timing.json')!r})\n"
-        "from vllm.v1.core.sched.scheduler import Scheduler\n"
-        "from vllm_output_rate.seams import verify_seams\n"
-        "assert Scheduler.schedule.__wrapped__\n"
-        "verify_seams(api=False)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_read_gives_microseconds_per_step(tmp_path: Path) -> None:
