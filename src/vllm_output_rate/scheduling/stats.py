@@ -32,6 +32,8 @@ class LabelStats:
     refunds: int = 0
     throttled_request_steps: int = 0
     resident_throttled: int = 0
+    reclaimed: int = 0  # resident requests preempted for users with budget
+    recomputed_tokens: int = 0  # computed again after any preemption
     gap_buckets: list[int] = field(
         default_factory=lambda: [0] * (len(GAP_BUCKETS_S) + 1)
     )
@@ -139,6 +141,16 @@ class OutputRateStats:
             stats.throttled_request_steps += count
             stats.resident_throttled += count
 
+    def record_reclaimed(self, counts: Mapping[str, int]) -> None:
+        """Resident requests preempted to give their place to users with budget."""
+        for user, count in counts.items():
+            self._stats(self.label_of(user)).reclaimed += count
+
+    def record_recomputed(self, counts: Mapping[str, int]) -> None:
+        """Tokens computed again for requests resuming after a preemption."""
+        for user, count in counts.items():
+            self._stats(self.label_of(user)).recomputed_tokens += count
+
     def _record_served(self, now_ns: int, served: Mapping[str, int]) -> None:
         """Users served in the same earlier step share one gap, so gaps are
         observed per (label, previous dispatch time), not per user."""
@@ -186,6 +198,8 @@ class OutputRateStats:
                 "refunds": s.refunds,
                 "throttled_request_steps": s.throttled_request_steps,
                 "resident_throttled": s.resident_throttled,
+                "reclaimed": s.reclaimed,
+                "recomputed_tokens": s.recomputed_tokens,
                 "gap_buckets": list(s.gap_buckets),
                 "gap_sum_s": s.gap_sum_ns / 1e9,
                 "gap_count": s.gap_count,
