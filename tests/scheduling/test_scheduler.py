@@ -522,6 +522,13 @@ def test_the_dispatch_log_records_every_charged_token(
         h.add("a", max_tokens=5)
     h.add("b", max_tokens=5)
     h.run_until_done(10 * MS)
+    # A reader of a running engine sees all but the last second.
+    early = read_dispatch_log(str(log))
+    last_ns = max(d.time_ns for d in h.dispatches)
+    for user in ("a", "b"):
+        sampled = h.sampled_at(user)
+        assert early[user] == sampled[: len(early[user])]
+        assert all(t in early[user] for t in sampled if t <= last_ns - S)
     h.scheduler.output_rate.dispatch_log.flush()
     logged = read_dispatch_log(str(log))
     assert logged == {user: h.sampled_at(user) for user in ("a", "b")}
