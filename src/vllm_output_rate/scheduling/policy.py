@@ -225,6 +225,7 @@ class OutputRatePolicy:
             unfinished,
             self.budget.reserved,
             self._feed_cap,
+            host.max_num_running_reqs,
         )
         if slots.outstanding:
             self._reclaim(slots)
@@ -243,18 +244,16 @@ class OutputRatePolicy:
     def _reclaim(self, slots: StepSlots) -> None:
         """Rule 1: preempt throttled residents for the claimants."""
         host = self._host
-        free_slots = host.max_num_running_reqs - len(host.running)
         priority = host.policy == SchedulingPolicy.PRIORITY
         claimants = len(slots.wanted)
         kv_tight = num_free_kv_blocks(host) < self._blocks_bound(claimants)
         heads: dict[str, Request] = {}
-        if kv_tight or (priority and free_slots < slots.outstanding):
+        if kv_tight or (priority and slots.free < slots.outstanding):
             heads = self._claimant_heads(slots.wanted)
         required = self._blocks_needed(heads.values(), slots) if kv_tight else 0
         victims = self.residency.reclaim(
             slots,
             host.running,
-            free_slots=free_slots,
             feeds=self._feed_cap,
             user_last_served=self._user_last_served,
             blocks_missing=lambda: required - num_free_kv_blocks(host),

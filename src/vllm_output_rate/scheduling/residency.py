@@ -56,6 +56,7 @@ Requests are vLLM ``Request`` objects, read through ``request_id``,
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -66,6 +67,8 @@ from vllm_output_rate.scheduling.ordering import SlotHolders, claim_order
 # How long after a user with budget last claimed a slot the engine counts as
 # contested for everyone else (rule 2).
 CONTENTION_HOLD_NS = 1_000_000_000
+# A priority value no request has: nothing may be taken for it.
+NO_VICTIM = sys.maxsize
 
 
 class StepSlots:
@@ -77,20 +80,23 @@ class StepSlots:
         wanted: dict[str, int],
         reserved: Mapping[str, int],
         may_grow: Callable[[str, int], bool],
+        free: int,
     ) -> None:
         self.resident = resident
         self.wanted = wanted
         self.reserved = reserved
         self._may_grow = may_grow
         self.outstanding = sum(wanted.values())  # slots claimants still wait for
+        self.free = free  # resident slots free now
         self.preempted_ids: set[str] = set()
 
     def may_take_a_slot(self, user: str) -> bool:
         """Whether a request of ``user``, which has budget now, may be
-        admitted: not while claimants wait, unless it is one of them (a
-        user with budget that did not claim has it because one of its
-        residents was deferred; the slots are for the claimants first)."""
-        return not self.outstanding or bool(self.wanted.get(user))
+        admitted: if it is a claimant, or if that leaves a free slot for
+        each slot still claimed (a user with budget that did not claim has
+        it because one of its residents was deferred; slots freed for the
+        claimants are theirs)."""
+        return bool(self.wanted.get(user)) or self.free > self.outstanding
 
     def may_prefill_ahead(self, user: str) -> bool:
         """Whether a request of ``user``, which has no budget now, may be
@@ -100,6 +106,7 @@ class StepSlots:
     def admitted(self, user: str) -> None:
         """Count a waiting request of ``user`` that vLLM may now admit."""
         self.resident[user] += 1
+        self.free -= 1
         wanted = self.wanted.get(user)
         if wanted:
             self.wanted[user] = wanted - 1
@@ -142,12 +149,14 @@ class Residency:
         unfinished: Mapping[str, int],
         reserved: Mapping[str, int],
         feed_cap: Callable[[str], int],
+        max_resident: int,
     ) -> StepSlots:
         """Count the step's residency and note who claims (rules 1 and 2).
 
         ``reserved`` maps users to the tokens they may sample in the step;
         ``feed_cap(user)`` is how many resident requests the user's rate can
-        feed (rule 2's cap under contention).
+        feed (rule 2's cap under contention); ``max_resident`` is
+        ``--max-num-seqs``.
         """
         resident = Counter(map(user_of, running))
         wanted = {}
@@ -165,7 +174,8 @@ class Residency:
                 return True
             return have < feed_cap(user)
 
-        return StepSlots(resident, wanted, reserved, may_grow)
+        free = max_resident - len(running)
+        return StepSlots(resident, wanted, reserved, may_grow, free)
 
     def _note_claim(self, user: str, now_ns: int) -> None:
         recent = [(u, t) for u, t in self._recent_claims if u != user]
@@ -181,7 +191,6 @@ class Residency:
         slots: StepSlots,
         running: Sequence[Any],
         *,
-        free_slots: int,
         feeds: Callable[[str], int],
         user_last_served: Mapping[str, int],
         blocks_missing: Callable[[], int],
@@ -190,7 +199,7 @@ class Residency:
     ) -> list[Any]:
         """Preempt idle residents for the claimants; return the victims.
 
-        First slots: each claimed slot beyond ``free_slots`` takes one idle
+        First slots: each claimed slot beyond the free ones takes one idle
         resident (``ordering.SlotHolders``: from a user holding more than its
         rate can feed, ``feeds(user)``, or more than the claimant). Then KV:
         while ``blocks_missing()`` (blocks the claimants' first chunks still
@@ -216,6 +225,7 @@ class Residency:
         # The claimants' counts as planned; the slots they get are counted
         # by ``admitted`` when vLLM reaches their requests.
         planned = Counter(slots.resident)
+        free_slots = slots.free
         for user, before in claim_order(slots.wanted, planned, user_last_served):
             if free_slots > 0:
                 free_slots -= 1
@@ -227,13 +237,16 @@ class Residency:
         # KV: for the claimant holding least, and under PRIORITY only
         # requests no better than the best claimant's.
         neediest = min(slots.resident[user] for user in slots.wanted)
-        best_priority = min(claim_priority.values()) if claim_priority else None
+        best_priority = None
+        if claim_priority is not None:
+            best_priority = min(claim_priority.values(), default=NO_VICTIM)
         while blocks_missing() > 0:
             victim = holders.take(neediest, best_priority)
             if victim is None:
                 break
             victims.append(victim)
             preempt(victim)
+        slots.free += len(victims)
         for victim in victims:
             slots.preempted_ids.add(victim.request_id)
             self._protected[victim.request_id] = victim.num_output_tokens
@@ -339,4 +352,6 @@ def _priority_of(request: Any) -> int:
 
 
 def _claimed(claim_priority: Mapping[str, int] | None, user: str) -> int | None:
-    return None if claim_priority is None else claim_priority.get(user)
+    # A claimant whose priority is unknown (its request was not found in
+    # the queue) takes no victim.
+    return None if claim_priority is None else claim_priority.get(user, NO_VICTIM)
