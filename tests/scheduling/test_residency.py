@@ -62,12 +62,36 @@ def test_prefill_ahead_is_capped_only_while_others_claim() -> None:
         S + CONTENTION_HOLD_NS - 1, running, {"hog": 9}, {"hog": 0}, feeds_two, 8
     )
     assert not later.may_prefill_ahead("hog")
-    assert later.nobody_admissible({"hog": 9})  # the scan can close
+    assert not residency.scan_needed(later, {"hog": 9}, ())  # the scan closes
     after = residency.plan(
         S + CONTENTION_HOLD_NS + 1, running, {"hog": 9}, {"hog": 0}, feeds_two, 8
     )
     assert after.may_prefill_ahead("hog")
-    assert not after.nobody_admissible({"hog": 9})
+    assert residency.scan_needed(after, {"hog": 9}, ())
+
+
+def test_a_fruitless_scan_is_not_repeated_until_something_changes() -> None:
+    residency = Residency()
+    running = [req("h1", "hog")]
+    unfinished, reserved = {"hog": 5}, {"hog": 0}
+
+    def step(state: tuple, admitted: bool = False) -> bool:
+        slots = residency.plan(0, running, unfinished, reserved, feeds_two, 8)
+        needed = residency.scan_needed(slots, unfinished, state)
+        if needed and admitted:
+            slots.admitted("hog")
+        residency.scanned(slots)
+        return needed
+
+    assert step((10, 1, 50))  # first time: scan (it admits nothing)
+    assert not step((10, 1, 50))  # the same state: closed
+    assert step((11, 1, 50))  # a request arrived: scan again
+    assert not step((11, 1, 50))
+    assert step((11, 1, 60), admitted=True)  # KV freed; this one admits
+    assert step((11, 1, 60))  # after an admission, scan again
+    # A claim (budget beyond the resident requests) always opens the scan.
+    reserved["hog"] = 2
+    assert step((11, 1, 60)) and step((11, 1, 60))
 
 
 def test_a_users_own_claims_do_not_cap_it() -> None:

@@ -204,6 +204,8 @@ class OutputRatePolicy:
         else:
             served, undispatched = self._sort_charged(output)
         self._settle(output, served, undispatched)
+        if self.slots is not None:
+            self.residency.scanned(self.slots)
         if output.preempted_req_ids or self.residency.recomputing:
             recomputed = self.residency.count_recompute(
                 output.num_scheduled_tokens,
@@ -229,7 +231,8 @@ class OutputRatePolicy:
         )
         if slots.outstanding:
             self._reclaim(slots)
-        if slots.nobody_admissible(unfinished):
+        state = (len(host.requests), len(host.running), num_free_kv_blocks(host))
+        if not self.residency.scan_needed(slots, unfinished, state):
             # Nobody waiting can be admitted: end vLLM's scan at once.
             host.max_num_active_reqs = 0
             self._admission_closed = True

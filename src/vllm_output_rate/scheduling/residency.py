@@ -43,7 +43,10 @@ Then three rules:
    ahead (they take turns, ``ordering.rotate_within_groups``).
 3. **Closed admission.** When no waiting user can be admitted (no budget,
    no room to prefill ahead), vLLM's waiting scan is closed for the step, so
-   thousands of queued throttled streams cost nothing per step.
+   thousands of queued throttled streams cost nothing per step. So it is
+   when only prefill ahead could admit and the last such scan admitted
+   nothing, until something it depends on changes (a request arrives or
+   leaves, a resident finishes, KV blocks are freed, a user may grow).
 
 A user's waiting streams are admitted in vLLM's queue order (FCFS or
 priority), and a preempted one goes back to the head of that queue, so none
@@ -89,6 +92,9 @@ class StepSlots:
         self.outstanding = sum(wanted.values())  # slots claimants still wait for
         self.free = free  # resident slots free now
         self.preempted_ids: set[str] = set()
+        self.admissions = 0  # waiting requests let through in the step
+        # What the step's scan depends on, when only prefill ahead can admit.
+        self.scan_state: tuple[Any, ...] | None = None
 
     def may_take_a_slot(self, user: str) -> bool:
         """Whether a request of ``user``, which has budget now, may be
@@ -107,6 +113,7 @@ class StepSlots:
         """Count a waiting request of ``user`` that vLLM may now admit."""
         self.resident[user] += 1
         self.free -= 1
+        self.admissions += 1
         wanted = self.wanted.get(user)
         if wanted:
             self.wanted[user] = wanted - 1
@@ -116,14 +123,21 @@ class StepSlots:
         resident = self.resident
         return any(n and not resident[user] for user, n in self.wanted.items())
 
-    def nobody_admissible(self, unfinished: Mapping[str, int]) -> bool:
-        """Rule 3: no waiting user has budget or may prefill ahead."""
-        resident, reserved = self.resident, self.reserved
+    def prefill_ahead_users(
+        self, unfinished: Mapping[str, int]
+    ) -> frozenset[str] | None:
+        """The waiting users that may prefill ahead, or None when a claim is
+        outstanding: then any scan may admit. (A waiting user whose budget
+        its resident requests take is no claimant.)"""
+        if self.outstanding:
+            return None
+        resident = self.resident
+        growing = []
         for user, count in unfinished.items():
             have = resident[user]
-            if count > have and (reserved.get(user, 0) or self._may_grow(user, have)):
-                return False
-        return True
+            if count > have and self._may_grow(user, have):
+                growing.append(user)
+        return frozenset(growing)
 
 
 class Residency:
@@ -139,6 +153,8 @@ class Residency:
         # Preempted (by anyone) and not yet back where it was: request id ->
         # (user, tokens computed before the preemption).
         self._recomputing: dict[str, tuple[str, int]] = {}
+        # The state of the last scan that admitted nothing (rule 3).
+        self._fruitless_scan: tuple[Any, ...] | None = None
 
     # ----- planning a step ------------------------------------------------
 
@@ -183,6 +199,36 @@ class Residency:
 
     def _claimed_by_others_since(self, user: str, since_ns: int) -> bool:
         return any(u != user and t >= since_ns for u, t in self._recent_claims)
+
+    # ----- rule 3 ---------------------------------------------------------
+
+    def scan_needed(
+        self, slots: StepSlots, unfinished: Mapping[str, int], state: tuple[Any, ...]
+    ) -> bool:
+        """Whether vLLM's waiting scan may admit anything in this step.
+
+        Yes while a claim is outstanding. If only prefill ahead could
+        admit, no when nobody may, or when the scan
+        found nothing to admit before and neither ``state`` (the policy's
+        view of what admission depends on: requests, residents, free KV
+        blocks) nor the users that may prefill ahead have changed since:
+        it would skip the same requests for the same reasons.
+        """
+        users = slots.prefill_ahead_users(unfinished)
+        if users is None:
+            return True
+        if not users:
+            return False
+        scan_state = (state, users)
+        if scan_state == self._fruitless_scan:
+            return False
+        slots.scan_state = scan_state
+        return True
+
+    def scanned(self, slots: StepSlots) -> None:
+        """After the step: remember a prefill-ahead scan that admitted nothing."""
+        if slots.scan_state is not None:
+            self._fruitless_scan = None if slots.admissions else slots.scan_state
 
     # ----- rule 1 ---------------------------------------------------------
 
