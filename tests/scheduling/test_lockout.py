@@ -53,6 +53,13 @@ def assert_limit_held(h: SchedulerHarness, user: str, rate: float) -> None:
     assert len(times) - 1 >= 0.98 * rate * span_s, (user, len(times), span_s)
 
 
+def abort_all(h: SchedulerHarness, requests) -> None:
+    """End a test's long-running requests (the fixture then checks the
+    accounting)."""
+    for r in requests:
+        h.abort(r.request_id)
+
+
 def residents(h: SchedulerHarness) -> Counter[str]:
     return Counter(map(user_of, h.scheduler.running))
 
@@ -128,8 +135,7 @@ def test_a_limit_lowered_live_does_not_trap_the_slots(limited) -> None:
     assert_first_token_in_its_first_step(h, [light])
     assert_complete(h, [light], 20)
     assert reclaimed(h, "hog") == 1
-    for r in hog:
-        h.abort(r.request_id)
+    abort_all(h, hog)
 
 
 # ----- KV blocks ----------------------------------------------------------------
@@ -151,8 +157,7 @@ def test_throttled_residents_holding_the_kv_cache_give_it_up(limited) -> None:
     assert_first_token_in_its_first_step(h, lights)
     assert_complete(h, lights, 40)
     assert reclaimed(h, "hog") >= 1
-    for r in hog:
-        h.abort(r.request_id)
+    abort_all(h, hog)
 
 
 # ----- churn and hysteresis -------------------------------------------------------
@@ -172,8 +177,7 @@ def test_a_steady_light_user_costs_the_hog_one_preemption(limited) -> None:
     assert_first_token_in_its_first_step(h, lights)
     assert reclaimed(h, "hog") == 1
     assert h.preemptions == 1
-    for r in hog:
-        h.abort(r.request_id)
+    abort_all(h, hog)
 
 
 def test_more_throttled_users_than_slots_take_turns_without_livelock(

@@ -26,6 +26,17 @@ def feeds_two(user: str) -> int:
     return 2
 
 
+def reclaim(residency, slots, running, preempt, blocks_missing=lambda: 0):
+    return residency.reclaim(
+        slots,
+        running,
+        feeds=feeds_two,
+        user_last_served={},
+        blocks_missing=blocks_missing,
+        preempt=preempt,
+    )
+
+
 def test_claims_count_waiting_requests_up_to_spare_budget() -> None:
     running = [req("h1", "hog"), req("h2", "hog"), req("l1", "light")]
     unfinished = {"hog": 10, "light": 4, "idle": 2}
@@ -111,14 +122,7 @@ def test_reclaim_takes_the_surplus_and_protects_the_victim() -> None:
     reserved = {"hog": 1, "light": 2}
     slots = residency.plan(0, running, unfinished, reserved, feeds_two, 5)
     preempted = []
-    victims = residency.reclaim(
-        slots,
-        running,
-        feeds=feeds_two,
-        user_last_served={},
-        blocks_missing=lambda: 0,
-        preempt=preempted.append,
-    )
+    victims = reclaim(residency, slots, running, preempted.append)
     # The most recently served of the hog's idle residents (its budget feeds
     # the least recently served one).
     assert victims == preempted == [hog[3]]
@@ -127,14 +131,7 @@ def test_reclaim_takes_the_surplus_and_protects_the_victim() -> None:
     running.remove(hog[3])
     running.append(hog[3])
     slots = residency.plan(1, running, unfinished, reserved, feeds_two, 5)
-    again = residency.reclaim(
-        slots,
-        running,
-        feeds=feeds_two,
-        user_last_served={},
-        blocks_missing=lambda: 0,
-        preempt=preempted.append,
-    )
+    again = reclaim(residency, slots, running, preempted.append)
     assert again == [hog[2]]
     hog[3].num_output_tokens += 1
     assert hog[3] in residency._idle_by_user(running, slots)["hog"]
@@ -149,14 +146,7 @@ def test_kv_reclaim_goes_on_until_the_blocks_are_there() -> None:
         free[0] += 20
 
     slots = residency.plan(0, hog, {"hog": 5, "light": 1}, {"light": 1}, feeds_two, 8)
-    victims = residency.reclaim(
-        slots,
-        hog,
-        feeds=feeds_two,
-        user_last_served={},
-        blocks_missing=lambda: 45 - free[0],
-        preempt=preempt,
-    )
+    victims = reclaim(residency, slots, hog, preempt, lambda: 45 - free[0])
     assert len(victims) == 2 and free[0] == 50
 
 
