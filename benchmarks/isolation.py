@@ -1,12 +1,16 @@
 """4. Isolation: one light user beside a heavy user with many streams, with
 and without limits; the light user's tokens/s and TTFT beside the heavy one
-divided by the same alone. Presented by ``benchmarks.report.isolation``."""
+divided by the same alone. Then (4b, ``isolation_hog.py``) beside a heavy
+user opening three times ``--max-num-seqs`` streams. Presented by
+``benchmarks.report.isolation`` and ``benchmarks.report.isolation_hog``."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+from benchmarks import isolation_hog
 from benchmarks.measure import median, tokens_between, wait_until_drained
 from benchmarks.noise import OthersCpu
 from benchmarks.progress import fmt, log
@@ -32,15 +36,23 @@ ISO_LEAD_S = 3.0
 
 
 async def _beside(
-    url: str, model: str, duration: float, a_limit: float | None, b_limit: float | None
+    url: str,
+    model: str,
+    duration: float,
+    a_limit: float | None,
+    b_limit: float | None,
+    a_streams: int = ISO_A_STREAMS,
+    b_window_ns: list[int] | None = None,
 ) -> tuple[LoadResult, LoadResult]:
-    """A's 32 streams start first; B starts ISO_LEAD_S later and runs
-    ``duration``. A's requests are cut by the client (request timeout) about
-    two seconds after B's load ends, so a throttled A does not hold the run."""
+    """A's streams (32 unless told) start first; B starts ISO_LEAD_S later
+    and runs ``duration``. A's requests are cut by the client (request
+    timeout) about two seconds after B's load ends, so a throttled A does
+    not hold the run. ``b_window_ns`` receives B's start and end
+    (``time.monotonic_ns``, the engine's dispatch-log clock)."""
     a_spec = LoadSpec(
         base_url=url,
         model=model,
-        users=[UserLoad(ISO_A, ISO_A_STREAMS, a_limit)],
+        users=[UserLoad(ISO_A, a_streams, a_limit)],
         max_tokens=ISO_MAX_TOKENS,
         duration_s=duration + ISO_LEAD_S,
         request_timeout_s=duration + ISO_LEAD_S + 2.0,
@@ -55,10 +67,47 @@ async def _beside(
 
     async def b_later() -> LoadResult:
         await asyncio.sleep(ISO_LEAD_S)
-        return await run_load(b_spec)
+        if b_window_ns is not None:
+            b_window_ns.append(time.monotonic_ns())
+        result = await run_load(b_spec)
+        if b_window_ns is not None:
+            b_window_ns.append(time.monotonic_ns())
+        return result
 
     a, b = await asyncio.gather(run_load(a_spec), b_later())
     return a, b
+
+
+def _beside_hog(
+    pool: ServerPool,
+    name: str,
+    duration: float,
+    a_limit: float | None,
+    b_limit: float | None,
+) -> dict[str, Any]:
+    """B beside A opening 3 x --max-num-seqs streams (isolation_hog.py)."""
+    url = pool.url(name)
+    pool.settle()
+    before = isolation_hog.counters(url)
+    window: list[int] = []
+    _, b_result = asyncio.run(
+        _beside(
+            url,
+            pool.model,
+            duration,
+            a_limit,
+            b_limit,
+            a_streams=isolation_hog.HOG_STREAMS,
+            b_window_ns=window,
+        )
+    )
+    after = isolation_hog.settle_counters(url)
+    wait_until_drained(url)
+    log_path = pool.dispatch_log_path if name == "ours" else None
+    return {
+        "b": _b_summary(b_result),
+        **isolation_hog.hog_figures(before, after, window, log_path),
+    }
 
 
 def _b_summary(result: LoadResult) -> dict[str, Any]:
@@ -113,6 +162,7 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
                     _beside(url, model, duration, a_limit, b_limit)
                 )
             wait_until_drained(url)
+            hog = _beside_hog(pool, name, duration, a_limit, b_limit)
             a_user = a_result.user(ISO_A)
             # A's rate while B ran (client time of A's run: B starts at lead).
             a_window = tokens_between(
@@ -131,6 +181,7 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
                 "others_cores_beside": others_beside.cores,
             }
             al, be = row["alone"], row["beside"]
+            row["hog"] = {**hog, **isolation_hog.ratios(al, hog["b"])}
             row["tok_s_ratio"] = (
                 (be["tok_s"] or 0.0) / al["tok_s"] if al["tok_s"] else None
             )
@@ -147,7 +198,10 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
                 f"isolation round {i + 1}/{rounds} {name}: B alone "
                 f"{fmt(al['tok_s'], 0)} tok/s, beside A {fmt(be['tok_s'], 0)} "
                 f"tok/s (ratio {fmt(row['tok_s_ratio'], 3)}); A "
-                f"{row['a_tok_s_while_b']:,.0f} tok/s"
+                f"{row['a_tok_s_while_b']:,.0f} tok/s; beside the hog "
+                f"{fmt(row['hog']['b']['tok_s'], 0)} tok/s (ratio "
+                f"{fmt(row['hog']['tok_s_ratio'], 3)}), hog delivered/limit "
+                f"{fmt(row['hog'].get('hog_delivered_over_limit'), 3)}"
             )
     summary = {}
     for name in ("stock", "ours"):
@@ -169,6 +223,7 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
         "b_limit": ISO_B_LIMIT,
         "runs": runs,
         "summary": summary,
+        "hog_summary": isolation_hog.summarize(runs),
         "target": ISO_TARGET,
         "met": ours_ratio is not None and ours_ratio >= ISO_TARGET,
         "timelines": timelines,

@@ -154,7 +154,8 @@ class ServerPool:
 
     * ``stock``: no limit flags (the plugin leaves vLLM's scheduler alone);
     * ``ours``: limits (DEFAULT_LIMIT for everyone, named users from
-      ``ours_user_limits``) and the scheduler's dispatch log;
+      ``ours_user_limits``), the scheduler's dispatch log and the plugin's
+      HTTP part (its counters on ``/metrics``);
     * ``ours-nowait``: the same limits with the plugin's idle wait switched
       off by NO_IDLE_WAIT_HOOK (no dispatch log).
     """
@@ -173,9 +174,13 @@ class ServerPool:
             ),
             "ours": ServerConfig(
                 "ours",
-                "with limits (default 1e6 tok/s, named users limited), dispatch log",
+                "with limits (default 1e6 tok/s, named users limited), dispatch "
+                "log, the plugin's metrics on /metrics",
                 [*SERVER_ARGS, *ours_limit_flags()],
-                {DISPATCH_LOG_ENV: str(self.dispatch_log_path)},
+                {
+                    DISPATCH_LOG_ENV: str(self.dispatch_log_path),
+                    "VLLM_PLUGINS": "output_rate,output_rate_http",
+                },
             ),
             "ours-nowait": ServerConfig(
                 "ours-nowait",

@@ -430,3 +430,29 @@ def test_a_refund_inside_the_group_is_exact() -> None:
 def test_take_many_rejects_an_empty_user_name() -> None:
     with pytest.raises(ValueError, match="''"):
         OutputRateLimiter(10).take_many({"": 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(rate=RATES, window=st.integers(0, 3 * NS_PER_SECOND))
+def test_tokens_within_a_window_is_what_the_limit_admits(
+    rate: float, window: int
+) -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(rate, {"own": rate / 2}, clock=clock)
+    most = limiter.tokens_within("u", window)
+    assert most == math.floor(window_bound(window, rate))
+    assert limiter.tokens_within("own", window) == math.floor(
+        window_bound(window, rate / 2)
+    )
+    # An idle user asking all the time, from the window's start to its end,
+    # gets the burst at once and then one token per interval: the bound, or
+    # one less where the two roundings fall apart.
+    taken = limiter.take_up_to("u", 10**9)
+    assert taken == limiter.tokens_within("u", 0)
+    step = max(1, window // 200)
+    while clock.now_ns + step <= window:
+        clock.advance(step)
+        taken += limiter.take_up_to("u", 10**9)
+    clock.now_ns = window
+    taken += limiter.take_up_to("u", 10**9)
+    assert most - 1 <= taken <= most

@@ -156,3 +156,39 @@ def test_no_api_route_talks_to_the_engine_core_directly() -> None:
         or ".engine_core." in path.read_text(errors="replace")
     ]
     assert offenders == []
+
+
+def test_a_changed_preemption_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The lock-out rules preempt with vLLM's own _preempt_request and rely
+    # on it freeing the KV blocks and queueing the request again.
+    def preempt_request(self, request, timestamp, drop_stale_output=False) -> None:
+        request.status = "PREEMPTED"
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", preempt_request)
+    with pytest.raises(seams_module.SeamMovedError, match="_preempt_request"):
+        seams_module.verify_seams(api=False)
+
+
+def test_the_preemption_seam_is_vllms_recompute_preemption(
+    tiny_model_path: str,
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    h = make_scheduler(tiny_model_path, limits=None, num_blocks=100)
+    scheduler = h.scheduler
+    empty = seams_module.num_free_kv_blocks(scheduler)
+    request = h.add("a", prompt_len=40, max_tokens=10)
+    h.step()
+    free = seams_module.num_free_kv_blocks(scheduler)
+    assert free == empty - 3  # a 40-token prompt in 16-token blocks
+    assert seams_module.kv_watermark_blocks(scheduler) == 0
+    seams_module.preempt(scheduler, request)
+    assert request not in scheduler.running
+    assert scheduler.waiting.peek_request() is request
+    assert request.status == RequestStatus.PREEMPTED
+    assert request.num_computed_tokens == 0
+    assert seams_module.num_free_kv_blocks(scheduler) == free + 3
+    output = h.step()
+    assert request.request_id in output.preempted_req_ids
+    h.run_until_done(0)
+    assert len(h.outputs[request.request_id]) == 10  # resumed, unchanged

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import median
+from benchmarks.report import isolation_hog
 from benchmarks.report.figures import grouped_bars, pyplot, save
 from benchmarks.report.markdown import fmt, image, verdict
 from vllm_output_rate.loadtest import LoadResult, LoadSpec
@@ -31,7 +32,8 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, bool | No
             f"{f(o['tok_s_ratio'], 3)} (stock: {f(s['tok_s_ratio'], 3)}); TTFT "
             f"{f(o['ttft_ratio'], 2)} (stock: {f(s['ttft_ratio'], 2)})",
             results["met"],
-        )
+        ),
+        *isolation_hog.summary_rows(results),
     ]
 
 
@@ -114,6 +116,7 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         f"(ours: {fmt(o['a_tok_s_while_b'], 0)}).",
         "",
     ]
+    lines += isolation_hog.section(r)
     lines += image("isolation", plot(r, figures_dir / FIGURE), md_dir)
     timelines = r.get("timelines") or {}
     if "stock" in timelines and "ours" in timelines:

@@ -285,6 +285,15 @@ class OutputRateLimiter:
         rate = self._overrides.get(user, self._default)
         self._tat[user] = tat - count * rate.interval
 
+    def tokens_within(self, user: str, window_ns: int) -> int:
+        """The most tokens ``user``'s limit admits in any window of
+        ``window_ns``: ``(W + burst) x rate + 1``, rounded down (exact).
+
+        With ``window_ns == 0`` it is the most one clock reading can grant.
+        """
+        rate = self._overrides.get(user, self._default)
+        return (max(0, window_ns) * rate.scale + rate.burst) // rate.interval + 1
+
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock reading at which ``try_take(user)`` can succeed.
 

@@ -43,11 +43,23 @@ step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
 whenever it disagrees with ``Scheduler.requests``; and when vLLM's
 ``_inflight_prefills`` (requests whose prefill continues after this step) is
 empty, every scheduled request sampled.
+
+So that a throttled user never locks others out (``scheduling/residency.py``)
+the policy preempts throttled residents with vLLM's own recompute preemption,
+``Scheduler._preempt_request`` (the request goes back to the head of
+``waiting`` and frees its KV blocks; the caller takes it off ``running``, as
+vLLM's own callers do), reads the free KV blocks
+(``kv_cache_manager.block_pool.get_num_free_blocks()``, the watermark
+``kv_cache_manager.watermark_blocks``, ``scheduler_reserve_full_isl``,
+``max_num_scheduled_tokens``), and closes the waiting scan for a step by
+setting ``max_num_active_reqs`` to 0 (vLLM stops admitting once
+``len(running)`` reaches it).
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +100,9 @@ class SchedulerHost:
     kv_cache_manager: KVCacheManager
     block_size: int
     hash_block_size: int
+    max_num_scheduled_tokens: int  # the token budget of one step
+    max_model_len: int
+    scheduler_reserve_full_isl: bool  # admission needs the whole prompt's KV
 
     # The methods the subclasses override (the bodies are vLLM's).
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -105,6 +120,12 @@ class SchedulerHost:
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         raise NotImplementedError
 
+    # vLLM's own, called by the policy (see ``preempt``).
+    def _preempt_request(
+        self, request: Request, timestamp: float, drop_stale_output: bool = False
+    ) -> None:
+        raise NotImplementedError
+
 
 HOST_ATTRIBUTES = tuple(SchedulerHost.__annotations__)
 
@@ -112,6 +133,25 @@ HOST_ATTRIBUTES = tuple(SchedulerHost.__annotations__)
 def inflight_prefills(scheduler: SchedulerHost) -> Collection[Request]:
     """vLLM's requests whose prefill continues after this step (private)."""
     return scheduler._inflight_prefills
+
+
+def preempt(scheduler: SchedulerHost, request: Request) -> None:
+    """Preempt a running request the way vLLM does under KV pressure: off the
+    running list, its KV blocks freed, back to the head of the waiting queue,
+    to be recomputed (with prefix caching, mostly from cached blocks) when it
+    is admitted again. It is reported in the step's ``preempted_req_ids``."""
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, time.monotonic())
+
+
+def num_free_kv_blocks(scheduler: SchedulerHost) -> int:
+    """KV blocks vLLM can allocate now (free or evictable cached ones)."""
+    return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def kv_watermark_blocks(scheduler: SchedulerHost) -> int:
+    """Blocks vLLM keeps free when it admits a waiting request."""
+    return int(scheduler.kv_cache_manager.watermark_blocks)
 
 
 def check_host(scheduler: object) -> None:
@@ -141,6 +181,12 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
         ["self", "request"],
     ),
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ["self"]),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._preempt_request",
+        ["self", "request", "timestamp"],
+    ),
+    ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ["self"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
     (
         "vllm.v1.engine.core_client",
@@ -235,9 +281,11 @@ def verify_seams(*, api: bool = True) -> None:
             problems.append(f"{'.'.join(API_KEY_GUARD)} no longer exists")
         except SeamMovedError as exc:
             problems.append(str(exc))
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule_source = inspect.getsource(Scheduler.schedule)
+    preempt_source = inspect.getsource(Scheduler._preempt_request)
     after_schedule_source = inspect.getsource(Scheduler._update_after_schedule)
     source_facts = [
         (
@@ -275,6 +323,31 @@ def verify_seams(*, api: bool = True) -> None:
             inspect.getsource(Scheduler._free_request),
             "self.finished_req_ids.add(",
             "Scheduler._free_request records finished_req_ids",
+        ),
+        (
+            schedule_source,
+            "if num_running >= self.max_num_active_reqs:",
+            "Scheduler.schedule stops admitting at max_num_active_reqs",
+        ),
+        (
+            schedule_source,
+            "full_sequence_must_fit=self.scheduler_reserve_full_isl",
+            "Scheduler.schedule admits only what scheduler_reserve_full_isl fits",
+        ),
+        (
+            preempt_source,
+            "self._free_request_blocks(request)",
+            "Scheduler._preempt_request frees the request's KV blocks",
+        ),
+        (
+            preempt_source,
+            "self.waiting.prepend_request(request)",
+            "Scheduler._preempt_request puts the request back into waiting",
+        ),
+        (
+            inspect.getsource(KVCacheManager.allocate_slots),
+            "self.watermark_blocks",
+            "KVCacheManager.allocate_slots keeps watermark_blocks free",
         ),
     ]
     for source, needle, fact in source_facts:

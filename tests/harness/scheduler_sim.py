@@ -70,6 +70,10 @@ class SchedulerHarness:
     eos_at: dict[str, int] = field(default_factory=dict)
     steps: int = 0
     preemptions: int = 0
+    # request id -> steps in which it was preempted (by vLLM or the plugin)
+    preempted_at: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> step before which it was added
+    added_at: dict[str, int] = field(default_factory=dict)
     _pending: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -107,6 +111,7 @@ class SchedulerHarness:
             block_hasher=_block_hasher(),
         )
         self.outputs[request_id] = []
+        self.added_at[request_id] = self.steps + 1
         if eos_at is not None:
             self.eos_at[request_id] = eos_at
         self.scheduler.add_request(request)
@@ -128,6 +133,8 @@ class SchedulerHarness:
         output = self.scheduler.schedule()
         self.steps += 1
         self.preemptions += len(output.preempted_req_ids)
+        for request_id in output.preempted_req_ids:
+            self.preempted_at.setdefault(request_id, []).append(self.steps)
         sampling = set()
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
@@ -199,6 +206,13 @@ class SchedulerHarness:
     def sampled_at(self, user: str) -> list[int]:
         """Clock readings of every dispatched sampling step of ``user``."""
         return [d.time_ns for d in self.dispatches if d.user == user and d.samples]
+
+    def first_token_step(self, request_id: str) -> int | None:
+        """The step that sampled the request's first token (None: not yet)."""
+        for d in self.dispatches:
+            if d.request_id == request_id and d.samples:
+                return d.step
+        return None
 
     def sampled_by_request(self, request_id: str) -> list[int]:
         return [

@@ -1,4 +1,4 @@
-"""The two ordering functions on plain records (no scheduler)."""
+"""The ordering functions and the slot ranking on plain records (no scheduler)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
+from vllm_output_rate.scheduling.ordering import (
+    SlotHolders,
+    claim_order,
+    fair_order,
+    rotate_within_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,68 @@ def test_fair_order_gives_the_first_slots_to_distinct_users(reqs) -> None:
     order = fair_order(reqs, user, served, {})
     users = {r.user for r in reqs}
     assert len({r.user for r in order[: len(users)]}) == len(users)
+
+
+# ----- scarce resident slots ---------------------------------------------------
+
+
+def test_claims_go_to_the_user_holding_fewest_first() -> None:
+    resident = {"a": 2, "b": 0, "c": 1}
+    handed = list(claim_order({"a": 2, "b": 2, "c": 1}, resident, {"b": 5, "c": 1}))
+    # b holds none; c holds one and b one after its first slot, but b was
+    # served more recently; a was never served, so a before b at two.
+    assert handed == [("b", 0), ("c", 1), ("b", 1), ("a", 2), ("a", 3)]
+    assert resident == {"a": 4, "b": 2, "c": 2}
+
+
+def test_a_slot_moves_only_from_a_surplus_or_towards_fewer() -> None:
+    idle = {
+        "hog": [Req("h1", "hog"), Req("h2", "hog")],
+        "slow": [Req("s1", "slow")],
+    }
+    resident = {"hog": 3, "slow": 1}
+    feeds = {"hog": 1, "slow": 2}.__getitem__
+    holders = SlotHolders(idle, resident, feeds, {})
+    # The hog holds more than its rate can feed: that surplus goes first.
+    assert holders.take(5).name == "h1"
+    assert holders.take(5).name == "h2"
+    # slow holds what its rate feeds: only for a claimant holding less.
+    assert holders.take(1) is None
+    assert holders.take(0).name == "s1"
+    assert resident == {"hog": 1, "slow": 0} and not holders
+
+
+def test_among_holders_the_one_holding_most_gives_first() -> None:
+    idle = {u: [Req(f"{u}{i}", u) for i in range(3)] for u in "abc"}
+    resident = {"a": 3, "b": 2, "c": 3}
+    holders = SlotHolders(idle, resident, lambda u: 9, {"a": 1, "c": 7})
+    taken = [holders.take(0).user for _ in range(5)]
+    # c and a hold most, c was served more recently; re-ranked after each.
+    assert taken == ["c", "a", "c", "a", "b"]
+
+
+def test_a_better_priority_is_never_taken_for_a_worse_one() -> None:
+    idle = {"hog": [Req("urgent", "hog", priority=0), Req("bulk", "hog", priority=3)]}
+    holders = SlotHolders(
+        idle, {"hog": 2}, lambda u: 0, {}, priority_of=lambda r: r.priority
+    )
+    assert holders.take(0, min_priority=5) is None
+    assert holders.take(0, min_priority=2).name == "bulk"
+    assert holders.take(0, min_priority=0).name == "urgent"
+
+
+@given(
+    st.dictionaries(st.sampled_from("abcdef"), st.integers(0, 6), min_size=1),
+    st.integers(0, 6),
+)
+def test_taking_never_leaves_a_holder_below_the_claimant_or_its_feed(
+    counts, claimant
+) -> None:
+    idle = {u: [Req(f"{u}{i}", u) for i in range(n)] for u, n in counts.items()}
+    resident = dict(counts)
+    holders = SlotHolders(idle, resident, lambda u: 2, {})
+    while (taken := holders.take(claimant)) is not None:
+        left = resident[taken.user]
+        # Before the take it held more than the claimant or than its feed.
+        assert left + 1 > claimant or left + 1 > 2
+    assert all(n <= max(claimant, 2) for n in resident.values())

@@ -30,6 +30,8 @@ COUNTERS = {
     "tokens_admitted": "Output tokens dispatched (charged and not refunded)",
     "refunds": "Tokens refunded because the charged step was not dispatched",
     "throttled_request_steps": "Request-steps skipped for lack of budget",
+    "reclaimed": "Throttled resident requests preempted for users with budget",
+    "recomputed_tokens": "Tokens computed again after a preemption",
 }
 HISTOGRAMS = {
     "token_gap": (

@@ -3,8 +3,10 @@
 Client-side timing sees tokens after HTTP buffering; the scheduler knows when
 it dispatched each user's token. With ``VLLM_OUTPUT_RATE_DISPATCH_LOG=FILE``
 the scheduler appends one CSV line ``monotonic_ns,user`` per dispatched token,
-written in batches so a step pays one list extend per user. Benchmarks read
-it to report the gap between a user's consecutive tokens.
+written in batches so a step pays one list extend per user: every
+``FLUSH_EVERY`` lines, and at the first step a second after the oldest line
+not yet written, so that a reader of a running server sees all but the last
+second. Benchmarks and tests read it to judge rates at the engine.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from typing import TextIO
 
 ENV = "VLLM_OUTPUT_RATE_DISPATCH_LOG"
 FLUSH_EVERY = 4096
+FLUSH_AFTER_NS = 1_000_000_000
 
 
 class DispatchLog:
     def __init__(self, path: str) -> None:
         self._file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._pending: list[str] = []
+        self._oldest_pending_ns = 0
         atexit.register(self.flush)
 
     @classmethod
@@ -31,9 +35,15 @@ class DispatchLog:
 
     def record(self, time_ns: int, served: Mapping[str, int]) -> None:
         """One step: ``served`` maps users to tokens dispatched at ``time_ns``."""
+        pending = self._pending
+        if not pending:
+            self._oldest_pending_ns = time_ns
         for user, count in served.items():
-            self._pending.extend([f"{time_ns},{user}\n"] * count)
-        if len(self._pending) >= FLUSH_EVERY:
+            pending.extend([f"{time_ns},{user}\n"] * count)
+        if (
+            len(pending) >= FLUSH_EVERY
+            or time_ns - self._oldest_pending_ns >= FLUSH_AFTER_NS
+        ):
             self.flush()
 
     def flush(self) -> None:

@@ -1,15 +1,27 @@
-"""Who goes first among resident requests (no vLLM import).
+"""Who goes first: among resident requests, and for a scarce slot (no vLLM import).
 
-Both functions return a new order and leave their input untouched. Requests
-are opaque; callers pass functions that read a request's user, priority and
-the scheduler step at which it last received an output token.
+``rotate_within_groups`` and ``fair_order`` order the running list for a
+step; both return a new order and leave their input untouched.
+``slot_rank`` is the one ranking of users for a scarce resident slot or KV
+blocks: ``claim_order`` hands slots to claimants by it and ``SlotHolders``
+takes them back by it. Requests are opaque; callers pass functions that read
+a request's user, priority and the scheduler step at which it last received
+an output token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import heapq
+from collections.abc import (
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from itertools import chain, zip_longest
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 R = TypeVar("R")
 
@@ -67,3 +79,108 @@ def fair_order(
         turns = chain.from_iterable(zip_longest(*queues))
         ordered.extend(request for request in turns if request is not None)
     return ordered
+
+
+# ----- who gets a scarce resident slot -----------------------------------------
+
+
+def slot_rank(resident: int, last_served: int) -> tuple[int, int]:
+    """The one ranking of users for a scarce resident slot (or KV), lower first.
+
+    A user holding fewer resident requests comes first; among equals, the
+    one served least recently. Claimants are served from the low end and
+    slots are taken back from the high end (``SlotHolders``). Per-user
+    weights plug in here: rank by ``resident / weight``.
+    """
+    return (resident, last_served)
+
+
+def claim_order(
+    wanted: Mapping[str, int],
+    resident: MutableMapping[str, int],
+    user_last_served: Mapping[str, int],
+) -> Iterator[tuple[str, int]]:
+    """Hand out slots one at a time to the users in ``wanted`` (user -> slots
+    it can use now), best ranked first, re-ranking after each.
+
+    Yields ``(user, resident requests before this slot)`` and counts the slot
+    in ``resident``; the caller decides whether the slot can be had.
+    """
+    left = {user: n for user, n in wanted.items() if n > 0}
+    heap = [
+        (slot_rank(resident.get(u, 0), user_last_served.get(u, -1)), u) for u in left
+    ]
+    heapq.heapify(heap)
+    while heap:
+        _, user = heapq.heappop(heap)
+        before = resident.get(user, 0)
+        resident[user] = before + 1
+        yield user, before
+        left[user] -= 1
+        if left[user]:
+            rank = slot_rank(before + 1, user_last_served.get(user, -1))
+            heapq.heappush(heap, (rank, user))
+
+
+class SlotHolders(Generic[R]):
+    """Resident requests that may give their place back, grouped by holder.
+
+    ``idle`` maps each holder to the requests it may give back, best victim
+    first; ``feeds`` maps each holder to the resident requests its rate can
+    feed. ``take(n)`` hands out one request for a claimant that holds ``n``
+    resident requests, from a holder that either holds more than its rate
+    can feed (a surplus costs it nothing) or holds more than the claimant (a
+    slot moves towards the user holding fewer); holders with a surplus
+    first, then the one ranked last by ``slot_rank``. ``resident`` is kept up
+    to date. With ``priority_of``, only a request whose priority value is at
+    least ``min_priority`` may be taken (vLLM's convention: lower is better).
+    """
+
+    def __init__(
+        self,
+        idle: Mapping[str, Sequence[R]],
+        resident: MutableMapping[str, int],
+        feeds: Callable[[str], int],
+        user_last_served: Mapping[str, int],
+        priority_of: Callable[[R], int] | None = None,
+    ) -> None:
+        self._idle = {user: list(reqs) for user, reqs in idle.items() if reqs}
+        self._resident = resident
+        self._feeds = {user: feeds(user) for user in self._idle}
+        self._last_served = user_last_served
+        self._priority_of = priority_of
+
+    def __bool__(self) -> bool:
+        return bool(self._idle)
+
+    def take(self, resident: int, min_priority: int | None = None) -> R | None:
+        best: tuple[tuple[bool, tuple[int, int]], str, int] | None = None
+        for user, requests in self._idle.items():
+            have = self._resident.get(user, 0)
+            surplus = have > self._feeds[user]
+            if not (surplus or have > resident):
+                continue
+            index = self._first_allowed(requests, min_priority)
+            if index is None:
+                continue
+            key = (surplus, slot_rank(have, self._last_served.get(user, -1)))
+            if best is None or key > best[0]:
+                best = (key, user, index)
+        if best is None:
+            return None
+        _, user, index = best
+        requests = self._idle[user]
+        taken = requests.pop(index)
+        if not requests:
+            del self._idle[user]
+        self._resident[user] -= 1
+        return taken
+
+    def _first_allowed(self, requests: list[R], min_priority: int | None) -> int | None:
+        if self._priority_of is None or min_priority is None:
+            return 0
+        priority_of = self._priority_of
+        for index, request in enumerate(requests):
+            if priority_of(request) >= min_priority:
+                return index
+        return None

@@ -12,8 +12,12 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
    to its unfinished requests (a request samples at most one token per
    step). When every reservation is whole and no active slot is contested,
    nobody can be refused: the step is a *fast* one and runs as stock vLLM's.
-   Otherwise the running list may be reordered (throttled requests last, a
-   user's streams rotated, active slots shared round-robin between users).
+   Otherwise: resident slots and KV blocks go to users with budget
+   (``residency.py``: throttled residents are preempted for them, throttled
+   users do not refill slots ahead of their budget, and the waiting scan is
+   closed when nobody waiting can be admitted), then the running list may be
+   reordered (throttled requests last, a user's streams rotated, active
+   slots shared round-robin between users).
 2. ``on_chunk`` (vLLM's ``_reserve_prefill_lookahead``), for every request
    vLLM sizes a chunk for, except in fast steps: a chunk that reaches the end
    of the sequence samples a token and is charged. Without budget the chunk
@@ -23,7 +27,8 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
    take its active slot.
 3. ``admit_waiting`` (vLLM's ``_handle_blocked_waiting_request``): a waiting
    request of a user without budget stays queued, skipped in order, whenever
-   admitting it could stop vLLM's scan for everyone behind it.
+   admitting it could stop vLLM's scan for everyone behind it or take a
+   place that a user with budget needs.
 4. ``end_step_cleanup`` and ``end_step``: undo the step's temporary
    changes; charge a fast step's sampled tokens in one C-level pass, and
    return at the single refund point every token reserved or charged but not
@@ -38,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +70,15 @@ from vllm_output_rate.scheduling.demand import (
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
+from vllm_output_rate.scheduling.residency import Residency, StepSlots
 from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
-from vllm_output_rate.seams import inflight_prefills
+from vllm_output_rate.seams import (
+    inflight_prefills,
+    kv_watermark_blocks,
+    num_free_kv_blocks,
+    preempt,
+)
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -80,6 +91,9 @@ MAX_IDLE_WAIT_S = 0.050
 CLEANUP_EVERY_STEPS = 256
 # The metrics label of the default limit.
 DEFAULT_LABEL = "__default__"
+# Longest gap between steps counted in the step interval (an idle engine
+# does not step at all).
+MAX_STEP_INTERVAL_NS = 1_000_000_000
 # An empty, read-only count: building a Counter costs microseconds per step.
 NOTHING: Mapping[str, int] = MappingProxyType({})
 
@@ -120,6 +134,13 @@ class OutputRatePolicy:
         # Active slots the running requests may fill in this step.
         self._running_cap = self.active_cap
         self._engaged = False  # someone was throttled or the active cap binds
+        # Resident slots and KV for users with budget (slow steps only).
+        self.residency = Residency()
+        self.slots: StepSlots | None = None
+        self._admission_closed = False
+        # Average time between steps (EWMA), for what a user's rate can feed.
+        self._step_interval_ns = 0
+        self._last_step_ns: int | None = None
         self._wakeup_ns: int | None = None
         self._last_step_idle = False
         # Resident requests skipped for lack of budget in the last step.
@@ -171,6 +192,10 @@ class OutputRatePolicy:
         self.throttled = []
         host.max_num_active_reqs = self.active_cap
         fast = everyone_covered and len(host.running) <= self.active_cap
+        self.slots = None
+        self._admission_closed = False
+        if not fast and len(host.requests) > len(host.running):
+            self._plan_residency()
         moved_arrivals = self._plan_step() if self._engaged and not fast else {}
         return fast, moved_arrivals
 
@@ -186,6 +211,113 @@ class OutputRatePolicy:
         else:
             served, undispatched = self._sort_charged(output)
         self._settle(output, served, undispatched)
+        if self.slots is not None:
+            self.residency.scanned(self.slots)
+        if output.preempted_req_ids or self.residency.recomputing:
+            recomputed = self.residency.count_recompute(
+                output.num_scheduled_tokens,
+                output.preempted_req_ids,
+                self._host.requests,
+            )
+            if recomputed:
+                self.stats.record_recomputed(recomputed)
+
+    # ----- resident slots and KV blocks (residency.py) --------------------
+
+    def _plan_residency(self) -> None:
+        """Rules 1-3 of ``residency.py`` for this step (someone waits)."""
+        host = self._host
+        unfinished = self.demand.unfinished
+        slots = self.residency.plan(
+            self.limiter.now_ns(),
+            host.running,
+            unfinished,
+            self.budget.reserved,
+            self._feed_cap,
+            host.max_num_running_reqs,
+        )
+        if slots.outstanding:
+            self._reclaim(slots)
+        state = (len(host.requests), len(host.running), num_free_kv_blocks(host))
+        if not self.residency.scan_needed(slots, unfinished, state):
+            # Nobody waiting can be admitted: end vLLM's scan at once.
+            host.max_num_active_reqs = 0
+            self._admission_closed = True
+        self.slots = slots
+
+    def _feed_cap(self, user: str) -> int:
+        """Resident requests ``user``'s rate can feed: the most tokens its
+        limit admits in one step (each request samples at most one), plus
+        one stream prefilled ahead."""
+        return self.limiter.tokens_within(user, self._step_interval_ns) + 1
+
+    def _reclaim(self, slots: StepSlots) -> None:
+        """Rule 1: preempt throttled residents for the claimants."""
+        host = self._host
+        priority = host.policy == SchedulingPolicy.PRIORITY
+        claimants = len(slots.wanted)
+        kv_tight = num_free_kv_blocks(host) < self._blocks_bound(claimants)
+        heads: dict[str, Request] = {}
+        if kv_tight or (priority and slots.free < slots.outstanding):
+            heads = self._claimant_heads(slots.wanted)
+        required = self._blocks_needed(heads.values(), slots) if kv_tight else 0
+        victims = self.residency.reclaim(
+            slots,
+            host.running,
+            feeds=self._feed_cap,
+            user_last_served=self._user_last_served,
+            blocks_missing=lambda: required - num_free_kv_blocks(host),
+            preempt=self._preempt,
+            claim_priority=(
+                {user: r.priority for user, r in heads.items()} if priority else None
+            ),
+        )
+        if victims:
+            self.stats.record_reclaimed(Counter(map(user_of, victims)))
+
+    def _preempt(self, request: Request) -> None:
+        self.residency.preempting(request)
+        preempt(self._host, request)
+
+    def _blocks_bound(self, claimants: int) -> int:
+        """Free KV blocks above which no claimant's admission can fail."""
+        host = self._host
+        per_request = self._blocks_for(host.max_model_len)
+        return claimants * per_request + self._kv_margin()
+
+    def _kv_margin(self) -> int:
+        # The running requests decoding in this step may each start a new
+        # block; on average one in block_size does. The watermark stays free.
+        running = len(self._host.running)
+        return kv_watermark_blocks(self._host) + running // self._host.block_size + 1
+
+    def _claimant_heads(self, wanted: Mapping[str, int]) -> dict[str, Request]:
+        """Each claimant's first waiting request, in vLLM's queue order."""
+        heads: dict[str, Request] = {}
+        claimants = {user for user, n in wanted.items() if n}
+        for request in self._host.waiting:
+            user = user_of(request)
+            if user in claimants and user not in heads:
+                heads[user] = request
+                if len(heads) == len(claimants):
+                    break
+        return heads
+
+    def _blocks_needed(self, heads: Iterable[Request], slots: StepSlots) -> int:
+        """KV blocks the claimants' admissions need free in this step: the
+        whole prompt if vLLM checks that it fits (its default), else one
+        step's chunk; plus the running requests' margin."""
+        host = self._host
+        budget = host.max_num_scheduled_tokens
+        needed = self._kv_margin()
+        for request in heads:
+            tokens = request.num_tokens - request.num_computed_tokens
+            if not host.scheduler_reserve_full_isl:
+                tokens = min(tokens, budget)
+            needed += self._blocks_for(tokens)
+        return needed
+
+    # ----- the running list ------------------------------------------------
 
     def _plan_step(self) -> dict[Request, float]:
         """Order the running list for this step; see the module docstring."""
@@ -194,13 +326,12 @@ class OutputRatePolicy:
         throttled = [r for r in host.running if user_of(r) in budget.refused_users]
         priority = host.policy == SchedulingPolicy.PRIORITY
         if len(ready) >= self.active_cap:
-            # Active slots are contested. A user waiting at the head of the
-            # queue with nothing resident has been served least recently of
-            # all: keep one slot for it rather than let resident users fill
-            # every slot forever.
-            if host.waiting and user_of(host.waiting.peek_request()) not in {
-                user_of(r) for r in ready
-            }:
+            # Active slots are contested. A user with budget waiting with
+            # nothing resident has been served least recently of all: keep
+            # one slot for it rather than let resident users fill every slot
+            # forever (it may be anywhere in the queue: the scan skips
+            # throttled requests ahead of it).
+            if self.slots is not None and self.slots.claimant_without_residents():
                 self._running_cap = self.active_cap - 1
             ready = fair_order(
                 ready,
@@ -276,6 +407,10 @@ class OutputRatePolicy:
         """The single refund point, plus bookkeeping for the next step."""
         host = self._host
         now_ns = self.limiter.now_ns()
+        if self._last_step_ns is not None:
+            interval = min(now_ns - self._last_step_ns, MAX_STEP_INTERVAL_NS)
+            self._step_interval_ns += (interval - self._step_interval_ns) // 8
+        self._last_step_ns = now_ns
         self._user_last_served.update(dict.fromkeys(served, self.step))
         if self.dispatch_log:
             self.dispatch_log.record(now_ns, served)
@@ -303,6 +438,7 @@ class OutputRatePolicy:
             }
             self.stats.forget_users(live, now_ns)
             self.first_tokens.forget_finished(host.requests)
+            self.residency.forget(host.requests)
 
     # ----- vLLM's per-request hooks --------------------------------------
 
@@ -354,6 +490,8 @@ class OutputRatePolicy:
         ``max_num_active_reqs``; each skipped resident request raises that
         bar by one, never beyond ``--max-num-seqs`` (the worker slots).
         """
+        if self._admission_closed:
+            return
         host = self._host
         host.max_num_active_reqs = min(
             host.max_num_running_reqs, host.max_num_active_reqs + 1
@@ -361,8 +499,22 @@ class OutputRatePolicy:
 
     def admit_waiting(self, request: Request) -> bool:
         """Whether vLLM may try to admit this waiting request now."""
-        if self.budget.has_budget(user_of(request)):
-            return True
+        user = user_of(request)
+        slots = self.slots
+        if slots is not None and request.request_id in slots.preempted_ids:
+            return False  # never resumed in the step that preempted it
+        if self.budget.has_budget(user):
+            # Slots taken back for claimants are theirs.
+            admit = slots is None or slots.may_take_a_slot(user)
+        elif slots is not None and not slots.may_prefill_ahead(user):
+            return False  # its place is for users with budget (rule 2)
+        else:
+            admit = self._may_prefill_ahead(request)
+        if admit and slots is not None:
+            slots.admitted(user)
+        return admit
+
+    def _may_prefill_ahead(self, request: Request) -> bool:
         # The user has no budget, so this request could at most prefill up to
         # its sampling position. Leave it in the queue (skipped, order kept)
         # whenever admitting it could stop vLLM's scan for everyone behind
@@ -375,14 +527,11 @@ class OutputRatePolicy:
         return not (
             self._may_only_run_by_sampling(request)
             or request.status == RequestStatus.PREEMPTED
-            or self._blocks_for(request.num_tokens) > self._num_free_kv_blocks()
+            or self._blocks_for(request.num_tokens) > num_free_kv_blocks(self._host)
         )
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._host.block_size)
-
-    def _num_free_kv_blocks(self) -> int:
-        return int(self._host.kv_cache_manager.block_pool.get_num_free_blocks())
 
     def _may_only_run_by_sampling(self, request: Request) -> bool:
         if not self._chunked_prefill:

@@ -94,6 +94,8 @@ class LabelStats:
     refunds: int = 0
     throttled_request_steps: int = 0
     resident_throttled: int = 0
+    reclaimed: int = 0  # resident requests preempted for users with budget
+    recomputed_tokens: int = 0  # computed again after any preemption
     gaps: Histogram = field(default_factory=lambda: Histogram(_GAP_BUCKETS_NS))
     first_token: Histogram = field(
         default_factory=lambda: Histogram(_FIRST_TOKEN_BUCKETS_NS)
@@ -105,6 +107,8 @@ class LabelStats:
             "refunds": self.refunds,
             "throttled_request_steps": self.throttled_request_steps,
             "resident_throttled": self.resident_throttled,
+            "reclaimed": self.reclaimed,
+            "recomputed_tokens": self.recomputed_tokens,
             "token_gap": self.gaps.snapshot(),
             "first_token": self.first_token.snapshot(),
         }
@@ -280,6 +284,16 @@ class OutputRateStats:
             record = self._user(user, now_ns)
             record.first_tokens += 1
             record.first_token_sum_ns += waited_ns
+
+    def record_reclaimed(self, counts: Mapping[str, int]) -> None:
+        """Resident requests preempted to give their place to users with budget."""
+        for user, count in counts.items():
+            self._stats(self.label_of(user)).reclaimed += count
+
+    def record_recomputed(self, counts: Mapping[str, int]) -> None:
+        """Tokens computed again for requests resuming after a preemption."""
+        for user, count in counts.items():
+            self._stats(self.label_of(user)).recomputed_tokens += count
 
     def _record_served(self, now_ns: int, served: Mapping[str, int]) -> None:
         """Users served in the same earlier step share one gap, so gaps are

@@ -45,6 +45,11 @@ class StepBudget:
         self._remaining = dict(self._reserved)
         return self._reserved == demand
 
+    @property
+    def reserved(self) -> Mapping[str, int]:
+        """Tokens reserved per user for this step (read-only view)."""
+        return self._reserved
+
     def has_budget(self, user: str) -> bool:
         """Whether ``user`` can still sample a token in this step."""
         remaining = self._remaining.get(user)
