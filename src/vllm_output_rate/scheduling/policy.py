@@ -46,6 +46,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import (
     DEFAULT_KEY,
     USERS_KEY,
@@ -67,6 +68,7 @@ from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_group
 from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import inflight_prefills
+from vllm_output_rate.store.leases import LeasedLimiter
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -121,11 +123,23 @@ class OutputRatePolicy:
         # vLLM's own _reserve_prefill_lookahead, bound to the scheduler: the
         # fast path's stand-in for ours (set by the scheduler subclass).
         self.stock_hook: Callable[[Request, int, int], int] | None = None
+        # Called by close(), e.g. to stop a shared store's refresher.
+        self.on_close: list[Callable[[], None]] = []
 
-    def use_limiter(self, limiter: OutputRateLimiter) -> None:
+    def use_limiter(self, limiter: Budget) -> None:
         """Account against ``limiter`` from the next step on."""
         self.limiter = limiter
         self.budget = StepBudget(limiter, self._host.max_num_running_reqs)
+        # Leases from a shared store are synchronised between steps.
+        self.leases = limiter if isinstance(limiter, LeasedLimiter) else None
+        if self.leases is not None:
+            host = self._host
+            self.leases.attach(lambda: bool(host.requests))
+
+    def close(self) -> None:
+        for callback in self.on_close:
+            callback()
+        self.on_close.clear()
 
     # ----- requests -----------------------------------------------------
 
@@ -157,6 +171,8 @@ class OutputRatePolicy:
             self.stats.set_named_users(self.limiter.user_rates)
             self._logger.info("Limits file reloaded: %s", self.limits())
         demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
+        if self.leases is not None:
+            self.leases.between_steps(demand, self.demand.generation)
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
         self._active_in_step = 0
@@ -404,7 +420,10 @@ class OutputRatePolicy:
         return self.limits()
 
     def snapshot(self) -> dict[str, Any]:
-        return {"limits": self.limits(), "users": self.stats.snapshot()}
+        snapshot = {"limits": self.limits(), "users": self.stats.snapshot()}
+        if self.leases is not None:
+            snapshot["store"] = self.leases.store_snapshot()
+        return snapshot
 
     def idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.
