@@ -63,7 +63,7 @@ redis.call('ZADD', engines_key, now + ttl, engine)
 redis.call('PEXPIRE', engines_key, math.ceil(ttl / 1000) + 1000)
 local n_engines = redis.call('ZCARD', engines_key)
 local version = redis.call('HGET', limits_key, '_version')
-local reply = {tostring(now), version or '-1', n_engines, fresh}
+local reply = {string.format('%d', now), version or '-1', n_engines, fresh}
 if not version then return reply end
 local default = redis.call('HGET', limits_key, '_default')
 
@@ -135,14 +135,14 @@ local function lease_one(user, w, want)
     rate = math.max(0, math.floor(rate * 1000) / 1000)
   end
   -- What this engine may still be using stays counted for the grace.
+  -- (One pair keeps both an earlier lowering still in its grace and this
+  -- one: the larger rate until the later end, which never counts less.)
   local old, old_until = 0, 0
   if mine and mine.expiry > now then
-    local current = counted(mine)
-    if rate < current then
-      old, old_until = current, now + grace + spacing(current)
-      if mine.old_until > old_until and mine.old >= old then
-        old, old_until = mine.old, mine.old_until
-      end
+    if mine.old_until > now then old, old_until = mine.old, mine.old_until end
+    if rate < mine.rate then
+      old = math.max(old, mine.rate)
+      old_until = math.max(old_until, now + grace + spacing(mine.rate))
     end
   end
   local expiry = now + ttl + grace + spacing(rate)
