@@ -163,3 +163,55 @@ def test_the_global_bound_holds_whatever_the_demand(
         assert total >= 0.97 * limit * 5 - len(engines), total
     for engine in engines:
         engine.close()
+
+
+def test_a_store_that_dies_and_returns(tmp_path) -> None:
+    """Both engines keep serving while the store is down (leases first, then
+    the fallback share, limit / 2 each), and resume leases when it is back,
+    with no burst: the merged log keeps the bound throughout."""
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    with RedisServer() as server:
+        settings_ = StoreSettings(url=server.url, lease_s=1.0, timeout_s=0.2)
+        engines = [SimEngine.create(f"e{i}", settings_, clock, 60.0) for i in range(2)]
+        engines[0].set_demand("u", 3)
+        engines[1].set_demand("u", 1)
+        run(engines, clock, 3)
+        server.kill()
+        down = clock.now_ns
+        run(engines, clock, 3)
+        for engine in engines:
+            assert engine.limiter.degraded
+            assert engine.limiter.counters.fallbacks == 1
+        # After the leases ran out (1 s), each engine at half the limit.
+        half = delivered(engines, "u", down + 1_500 * MS, clock.now_ns)
+        for count in half:
+            assert count == pytest.approx(30 * 1.5, abs=3), half
+        server.start()  # empty: no leases, no limits; an engine seeds them
+        back = clock.now_ns
+        run(engines, clock, 4)
+        for engine in engines:
+            assert not engine.limiter.degraded
+        a, b = delivered(engines, "u", back + 2 * NS_PER_SECOND, clock.now_ns)
+        assert a + b == pytest.approx(60 * 2, abs=4)
+        assert a / b == pytest.approx(3, rel=0.1)
+        assert_global_bound(merged(engines, "u"), 60.0, 2)
+        for engine in engines:
+            engine.close()
+
+
+def test_a_limit_changed_on_one_engine_reaches_the_other(redis_server, store_prefix):
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    engines = make_engines(redis_server.url, store_prefix, 2, 50.0, clock)
+    engines[1].set_demand("u", 1)
+    run(engines, clock, 1)
+    assert engines[1].limiter.lease_rate("u") == 50.0
+    engines[0].limiter.update_rates(user_rates={"u": 10.0})
+    run(engines, clock, 0.3)  # within a few refresh cycles
+    assert engines[1].limiter.rate_of("u") == 10.0
+    assert engines[1].limiter.lease_rate("u") == 10.0
+    changed = clock.now_ns
+    run(engines, clock, 2)
+    count = delivered(engines, "u", changed, clock.now_ns)[1]
+    assert count <= 10 * 2.1 + 1
+    for engine in engines:
+        engine.close()
