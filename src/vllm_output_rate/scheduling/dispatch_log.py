@@ -3,8 +3,10 @@
 Client-side timing sees tokens after HTTP buffering; the scheduler knows when
 it dispatched each user's token. With ``VLLM_OUTPUT_RATE_DISPATCH_LOG=FILE``
 the scheduler appends one CSV line ``monotonic_ns,user`` per dispatched token,
-written in batches so a step pays one list extend per user. Benchmarks read
-it to report the gap between a user's consecutive tokens.
+written in batches (every 4096 tokens, and at least once a second, so that a
+test can read a running server's log) so a step pays one list extend per
+user. Benchmarks read it to report the gap between a user's consecutive
+tokens.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from typing import TextIO
 
 ENV = "VLLM_OUTPUT_RATE_DISPATCH_LOG"
 FLUSH_EVERY = 4096
+FLUSH_EVERY_NS = 1_000_000_000
 
 
 class DispatchLog:
     def __init__(self, path: str) -> None:
         self._file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._pending: list[str] = []
+        self._flushed_ns = 0
         atexit.register(self.flush)
 
     @classmethod
@@ -33,7 +37,11 @@ class DispatchLog:
         """One step: ``served`` maps users to tokens dispatched at ``time_ns``."""
         for user, count in served.items():
             self._pending.extend([f"{time_ns},{user}\n"] * count)
-        if len(self._pending) >= FLUSH_EVERY:
+        if (
+            len(self._pending) >= FLUSH_EVERY
+            or time_ns - self._flushed_ns >= FLUSH_EVERY_NS
+        ):
+            self._flushed_ns = time_ns
             self.flush()
 
     def flush(self) -> None:

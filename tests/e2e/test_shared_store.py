@@ -1,0 +1,204 @@
+"""Two real vLLM servers sharing one user's limit through a real redis-server.
+
+Each server's model worker has its own core (VLLM_CPU_OMP_THREADS_BIND), or
+the two would starve each other on a 2-core machine. Rates are judged on
+both engines' dispatch logs merged (CLOCK_MONOTONIC is shared on one
+machine); clients only check that every request completes.
+
+The tests run in order on the same two servers: the split, the store killed
+and restarted, then one server killed (the last, since it ends a server).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from store.test_leases import assert_global_bound
+
+from harness.redis_server import RedisServer
+from vllm_output_rate.demo.server import running_server, stop_process_group
+from vllm_output_rate.loadtest.loadgen import (
+    LoadResult,
+    LoadSpec,
+    UserLoad,
+    run_load_sync,
+)
+from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
+
+pytestmark = pytest.mark.e2e
+
+S = 1_000_000_000
+LIMIT = 40.0  # the shared user
+OTHER = 30.0  # a user on one server only
+
+
+@pytest.fixture(scope="module")
+def store():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path: str, store: RedisServer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shared-store")
+    args = [
+        "--default-user-output-tokens-per-second", "1000",
+        "--user-output-tokens-per-second", json.dumps({"u": LIMIT, "other": OTHER}),
+        "--output-rate-store", store.url,
+        "--max-num-seqs", "16",
+    ]  # fmt: skip
+    logs = [folder / "dispatch-a.csv", folder / "dispatch-b.csv"]
+    env = {"VLLM_PLUGINS": "output_rate,output_rate_http"}
+    with (
+        running_server(
+            tiny_model_path,
+            args,
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0",
+                 "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(logs[0])},
+        ) as a,
+        running_server(
+            tiny_model_path,
+            args,
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1",
+                 "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(logs[1])},
+        ) as b,
+    ):  # fmt: skip
+        for url in (a, b):
+            assert "Output rate limits shared through" in url.log_text()
+        yield (a, b), logs
+
+
+def load_both(model: str, a: str, b: str, seconds: float, during=None):
+    """u: 3 streams on a, 1 on b; other: 1 on b. ``during(t0)`` runs meanwhile."""
+    specs = [
+        LoadSpec(
+            a, model, [UserLoad("u", 3, LIMIT)], max_tokens=24, duration_s=seconds
+        ),
+        LoadSpec(
+            b,
+            model,
+            [UserLoad("u", 1, LIMIT), UserLoad("other", 1, OTHER)],
+            max_tokens=24,
+            duration_s=seconds,
+        ),
+    ]
+    results: list[LoadResult | None] = [None, None]
+
+    def run(i: int) -> None:
+        results[i] = run_load_sync(specs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    t0 = time.monotonic_ns()
+    for thread in threads:
+        thread.start()
+    if during is not None:
+        during(t0)
+    for thread in threads:
+        thread.join()
+    return t0, results
+
+
+def dispatched(
+    logs: list[Path], user: str, start_ns: int, end_ns: int
+) -> list[list[int]]:
+    out = []
+    for log in logs:
+        times = read_dispatch_log(str(log)).get(user, []) if log.exists() else []
+        out.append([t for t in times if start_ns <= t < end_ns])
+    return out
+
+
+def flush_wait() -> None:
+    time.sleep(1.5)  # the engines flush their dispatch logs every 4096 lines
+
+
+def test_one_users_limit_holds_across_both_servers_split_by_demand(
+    servers, tiny_model_path
+) -> None:
+    (a, b), logs = servers
+    t0, results = load_both(tiny_model_path, a, b, 10)
+    for result in results:
+        assert result is not None and result.ok, result and result.error_summary()
+    # The engines' logs flush at exit or every 4096 tokens: read what the
+    # servers have written by asking for a snapshot-free wait.
+    flush_wait()
+    start, end = t0 + 2 * S, t0 + 10 * S
+    on_a, on_b = dispatched(logs, "u", start, end)
+    total = len(on_a) + len(on_b)
+    assert total >= 0.95 * LIMIT * 8, (len(on_a), len(on_b))
+    assert len(on_a) / max(1, len(on_b)) == pytest.approx(3, rel=0.25)
+    assert_global_bound(sorted(on_a + on_b), LIMIT, engines=2)
+    (other,) = [t for t in dispatched(logs, "other", start, end)[1:]]
+    assert len(other) >= 0.95 * OTHER * 8
+
+
+def test_both_servers_keep_serving_while_the_store_is_down(
+    servers, store: RedisServer, tiny_model_path
+) -> None:
+    (a, b), logs = servers
+    marks: dict[str, int] = {}
+
+    def outage(t0: int) -> None:
+        time.sleep(2)
+        store.kill()
+        marks["down"] = time.monotonic_ns()
+        time.sleep(5)
+        store.start()
+        marks["up"] = time.monotonic_ns()
+
+    t0, results = load_both(tiny_model_path, a, b, 12, during=outage)
+    for result in results:
+        assert result is not None and result.ok, result and result.error_summary()
+    flush_wait()
+    for url in (a, b):
+        log = url.log_text()
+        assert "Output rate store unreachable" in log
+        assert "reachable again" in log
+    # After the leases ran out (2 s), each engine serves u at limit / 2.
+    on_a, on_b = dispatched(logs, "u", marks["down"] + 3 * S, marks["up"])
+    seconds = (marks["up"] - marks["down"] - 3 * S) / S
+    for count in (len(on_a), len(on_b)):
+        assert count == pytest.approx(LIMIT / 2 * seconds, rel=0.2), (on_a, on_b)
+    # Back on leases: the limit again, split 3:1.
+    end = t0 + 12 * S
+    on_a, on_b = dispatched(logs, "u", marks["up"] + 2 * S, end)
+    seconds = (end - marks["up"] - 2 * S) / S
+    assert len(on_a) + len(on_b) == pytest.approx(LIMIT * seconds, rel=0.1)
+    everything = dispatched(logs, "u", t0, end)
+    assert_global_bound(sorted(everything[0] + everything[1]), LIMIT, engines=2)
+
+
+def test_when_one_server_dies_the_other_gets_the_whole_limit(
+    servers, tiny_model_path
+) -> None:
+    (a, b), logs = servers
+    marks: dict[str, int] = {}
+
+    def kill_a(t0: int) -> None:
+        time.sleep(3)
+        stop_process_group(a.process, timeout_s=5)
+        marks["dead"] = time.monotonic_ns()
+
+    spec = LoadSpec(b, tiny_model_path, [UserLoad("u", 2, LIMIT)], max_tokens=24,
+                    duration_s=10)  # fmt: skip
+    result: list[LoadResult] = []
+    thread = threading.Thread(target=lambda: result.append(run_load_sync(spec)))
+    t0 = time.monotonic_ns()
+    thread.start()
+    # u also streams on a until a dies (those requests fail: a is gone).
+    a_spec = LoadSpec(a, tiny_model_path, [UserLoad("u", 2, LIMIT)], max_tokens=24,
+                      duration_s=10)  # fmt: skip
+    a_thread = threading.Thread(target=lambda: run_load_sync(a_spec), daemon=True)
+    a_thread.start()
+    kill_a(t0)
+    thread.join()
+    assert result and result[0].ok, result and result[0].error_summary()
+    flush_wait()
+    # Within one lease period (2 s, plus the grace), b runs u at the limit.
+    start, end = marks["dead"] + 3 * S, t0 + 10 * S
+    (on_b,) = dispatched(logs[1:], "u", start, end)
+    assert len(on_b) >= 0.95 * LIMIT * (end - start) / S
