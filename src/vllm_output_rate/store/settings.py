@@ -112,8 +112,8 @@ def check_store_url(url: object) -> str:
 
 def client_url(url: str) -> str:
     """The URL in the form redis-py accepts (valkey:// is the same protocol)."""
-    parts = _split(url)
-    return parts._replace(scheme=SCHEMES[parts.scheme.lower()]).geturl()
+    scheme = _split(url).scheme
+    return SCHEMES[scheme.lower()] + url[len(scheme) :]
 
 
 def _positive(value: object, where: str, *, at_most: float | None = None) -> float:
