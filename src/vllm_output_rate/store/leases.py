@@ -138,6 +138,7 @@ class StoreCounters:
     """Lease and store state for metrics (see integration/metrics.py)."""
 
     exchanges: int = 0
+    asks: int = 0  # users sent in successful exchanges
     failures: int = 0
     fallbacks: int = 0  # times the engine started serving without the store
     grants: int = 0  # leases granted or raised
@@ -424,6 +425,7 @@ class LeasedLimiter:
             self._serve_without_store(error)
             return
         counters.exchanges += 1
+        counters.asks += len(round_.asks)
         rtt_s = (received_ns - round_.sent_ns) / NS
         counters.rtt_sum_s += rtt_s
         counters.rtt_max_s = max(counters.rtt_max_s, rtt_s)
@@ -591,6 +593,7 @@ class LeasedLimiter:
             "shared_users": len(self._shared),
             "blocked_users": len(self._blocked),
             "exchanges": counters.exchanges,
+            "asks": counters.asks,
             "failures": counters.failures,
             "fallbacks": counters.fallbacks,
             "grants": counters.grants,
