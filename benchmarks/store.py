@@ -49,8 +49,12 @@ def _run(engines: list[SimEngine], clock: FakeClock, seconds: float) -> None:
 
 def accuracy(url: str, seconds: float) -> dict[str, Any]:
     limits = {"split-3:1": 100.0, "split-1:1": 20.0, "only-a": 50.0, "only-b": 7.5}
-    demand = {"split-3:1": (3, 1), "split-1:1": (2, 2), "only-a": (4, 0),
-              "only-b": (0, 1)}  # fmt: skip
+    demand = {
+        "split-3:1": (3, 1),
+        "split-1:1": (2, 2),
+        "only-a": (4, 0),
+        "only-b": (0, 1),
+    }
     clock = FakeClock(1_000 * NS)
     settings = StoreSettings(url=url, key_prefix=f"bench-acc-{time.time_ns()}")
     engines = [SimEngine.create(name, settings, clock, 1000.0, limits) for name in "ab"]
@@ -165,8 +169,12 @@ def step_cost(url: str, users: int, steps: int) -> dict[str, Any]:
     assert leased is not None and not leased.store_snapshot()["blocked_users"]
     local_ms = 1e3 * statistics.median(times["local"])
     store_ms = 1e3 * statistics.median(times["store"])
-    return {"users": users, "local_ms": local_ms, "store_ms": store_ms,
-            "ratio": store_ms / local_ms}  # fmt: skip
+    return {
+        "users": users,
+        "local_ms": local_ms,
+        "store_ms": store_ms,
+        "ratio": store_ms / local_ms,
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -179,8 +187,11 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def format_markdown(result: dict[str, Any]) -> str:
-    lines = ["| user | limit | streams a/b | delivered a/b | delivered / limit | "
-             "max in 1 s (bound) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| user | limit | streams a/b | delivered a/b | delivered / limit | "
+        "max in 1 s (bound) |",
+        "|---|---|---|---|---|---|",
+    ]
     for user, row in result["accuracy"].items():
         a, b = row["delivered_per_engine"]
         lines.append(
@@ -188,17 +199,25 @@ def format_markdown(result: dict[str, Any]) -> str:
             f"| {a}/{b} | {row['ratio']:.3f} | {row['max_in_1s_window']} "
             f"({row['bound_1s']:g}) |"
         )
-    lines += ["", "| active users | round trips / s / engine | users asked / s / engine "
-              "| tokens / s / engine | mean round trip ms |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| active users | round trips / s / engine | users asked / s / engine "
+        "| tokens / s / engine | mean round trip ms |",
+        "|---|---|---|---|---|",
+    ]
     for users, row in result["round_trips"].items():
         lines.append(
-            f"| {users} | {row['round_trips_per_s']:.1f} | {row['users_asked_per_s']:.0f} "
-            f"| {row['tokens_per_s']:.0f} | {row['rtt_mean_ms']:.2f} |"
+            f"| {users} | {row['round_trips_per_s']:.1f} "
+            f"| {row['users_asked_per_s']:.0f} | {row['tokens_per_s']:.0f} "
+            f"| {row['rtt_mean_ms']:.2f} |"
         )
     cost = result["step_cost"]
-    lines += ["", f"schedule() with {cost['users']:,} active users: local "
-              f"{cost['local_ms']:.2f} ms, with the store {cost['store_ms']:.2f} ms "
-              f"(ratio {cost['ratio']:.3f})."]  # fmt: skip
+    lines += [
+        "",
+        f"schedule() with {cost['users']:,} active users: local "
+        f"{cost['local_ms']:.2f} ms, with the store {cost['store_ms']:.2f} ms "
+        f"(ratio {cost['ratio']:.3f}).",
+    ]
     return "\n".join(lines)
 
 
