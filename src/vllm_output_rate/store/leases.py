@@ -129,8 +129,8 @@ class Round:
     seed: tuple[float, dict[str, float]]  # our limits, for an empty store
 
 
-# (round, its exchange or None, limits read, error, clock when received)
-_Result = tuple[Round, "Exchange | None", "StoredLimits | None", str, int]
+# (round, its exchange or None, limits read, error, round trip seconds)
+_Result = tuple[Round, "Exchange | None", "StoredLimits | None", str, float]
 
 
 @dataclass
@@ -191,10 +191,7 @@ class LeasedLimiter:
         self._demand: Mapping[str, int] = {}
         self._generation: object = None
         self._has_requests: Callable[[], bool] = lambda: True
-        self._results: list[
-            tuple[Round, Exchange | None, StoredLimits | None, str, int]
-        ]
-        self._results = []
+        self._results: list[_Result] = []
         self._writes: list[LimitsWrite] = []
         self.degraded = False  # serving without the store
         self.engines_seen = max(1, engines_hint)
@@ -366,13 +363,15 @@ class LeasedLimiter:
         exchange: Exchange | None,
         limits: StoredLimits | None = None,
         error: str = "",
+        round_trip_s: float = 0.0,
     ) -> None:
-        """Post the round's outcome; the scheduler applies it between steps."""
-        received = self._clock()
+        """Post the round's outcome; the scheduler applies it between steps.
+
+        ``round_trip_s``: wall-clock time of the round's store calls."""
         with self._lock:
             if exchange is None:
                 self._writes[:0] = round_.writes  # retried next round
-            self._results.append((round_, exchange, limits, error, received))
+            self._results.append((round_, exchange, limits, error, round_trip_s))
 
     # ----- internals (scheduler thread) ----------------------------------
 
@@ -416,7 +415,7 @@ class LeasedLimiter:
         exchange: Exchange | None,
         limits: StoredLimits | None,
         error: str,
-        received_ns: int,
+        rtt_s: float,
     ) -> None:
         counters = self.counters
         if exchange is None:
@@ -426,7 +425,6 @@ class LeasedLimiter:
             return
         counters.exchanges += 1
         counters.asks += len(round_.asks)
-        rtt_s = (received_ns - round_.sent_ns) / NS
         counters.rtt_sum_s += rtt_s
         counters.rtt_max_s = max(counters.rtt_max_s, rtt_s)
         if limits is not None and limits.version > self.limits_version:

@@ -15,16 +15,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from socket import gethostname
 
 from vllm_output_rate.store.leases import LeasedLimiter, Round
 from vllm_output_rate.store.redis_store import (
     Exchange,
+    LeaseAsk,
     RedisLeaseStore,
     StoredLimits,
     StoreUnavailable,
 )
+
+
+# Users per script call: one call with 10,000 new users ran past the 0.25 s
+# timeout here; a Lua script also blocks the server while it runs.
+MAX_ASKS_PER_CALL = 256
 
 
 def engine_id(data_parallel_rank: int = 0) -> str:
@@ -54,27 +61,28 @@ class Refresher:
         """
         limiter = self.limiter
         round_ = limiter.start_round()
+        started = time.perf_counter()
         try:
             exchange, limits = self._exchange(round_, now_us)
         except StoreUnavailable as exc:
             limiter.finish_round(round_, None, error=str(exc))
             return None
-        limiter.finish_round(round_, exchange, limits)
+        limiter.finish_round(
+            round_, exchange, limits, round_trip_s=time.perf_counter() - started
+        )
         return exchange
 
     def _exchange(
         self, round_: Round, now_us: int | None
     ) -> tuple[Exchange, StoredLimits | None]:
-        store, limiter = self.store, self.limiter
+        store = self.store
         for write in round_.writes:
             store.update_limits(
                 default_rate=write.default_rate,
                 user_rates=write.user_rates,
                 remove_users=write.remove_users,
             )
-        exchange = store.exchange(
-            self.engine, round_.asks, grace_us=limiter.grace_us, now_us=now_us
-        )
+        exchange = self._exchange_in_chunks(round_.asks, now_us)
         if exchange.limits_version < 0:
             default_rate, user_rates = round_.seed
             if store.seed_limits(default_rate, user_rates):
@@ -82,13 +90,38 @@ class Refresher:
                     "Output rate store %s held no limits: stored this engine's",
                     store.settings.display_url,
                 )
-            exchange = store.exchange(
-                self.engine, round_.asks, grace_us=limiter.grace_us, now_us=now_us
-            )
+            exchange = self._exchange_in_chunks(round_.asks, now_us)
         limits = None
         if exchange.limits_version != round_.limits_known:
             limits = store.read_limits()
         return exchange, limits
+
+    def _exchange_in_chunks(self, asks: list[LeaseAsk], now_us: int | None) -> Exchange:
+        """One call per MAX_ASKS_PER_CALL users, answers merged."""
+        chunks = [
+            asks[i : i + MAX_ASKS_PER_CALL]
+            for i in range(0, len(asks), MAX_ASKS_PER_CALL)
+        ] or [[]]
+        rates: dict[str, float] = {}
+        shared: set[str] = set()
+        exchange = None
+        for chunk in chunks:
+            exchange = self.store.exchange(
+                self.engine, chunk, grace_us=self.limiter.grace_us, now_us=now_us
+            )
+            rates.update(exchange.rates)
+            shared |= exchange.shared
+            if exchange.limits_version < 0:
+                break
+        assert exchange is not None
+        return Exchange(
+            exchange.now_us,
+            exchange.limits_version,
+            exchange.engines,
+            exchange.fresh,
+            rates,
+            frozenset(shared),
+        )
 
     # ----- the thread ---------------------------------------------------
 
