@@ -28,7 +28,6 @@ from vllm_output_rate.store.redis_store import (
     StoreUnavailable,
 )
 
-
 # Users per script call: one call with 10,000 new users ran past the 0.25 s
 # timeout here; a Lua script also blocks the server while it runs.
 MAX_ASKS_PER_CALL = 256
