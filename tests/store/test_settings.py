@@ -148,6 +148,8 @@ def test_flags_reach_the_engine_and_the_password_stays_out_of_logs(
     assert settings.store.fallback_share == 0.25
     args = parser.parse_args(["--model", "m", FLAG, "1", "--output-rate-store", url])
     assert "pw-in-url" not in repr(vars(args)) and "pw-in-url" not in str(vars(args))
+    plain = parser.parse_args(["--output-rate-store", redis_server.url, "--model", "m"])
+    assert repr(plain.output_rate_store) == repr(redis_server.url)  # found: recursed
 
 
 def test_store_flags_without_limits_or_url_are_refused(parser) -> None:

@@ -50,10 +50,10 @@ class StoreUrl(str):
     """A store URL that shows without its password (vLLM logs its flags)."""
 
     def __repr__(self) -> str:
-        return repr(redact_url(self))
+        return repr(str(self))
 
     def __str__(self) -> str:
-        return redact_url(self)
+        return redact_url(str.__str__(self))  # a plain str: no recursion
 
 
 def _store_arg(text: str) -> StoreUrl:
