@@ -202,3 +202,34 @@ def test_when_one_server_dies_the_other_gets_the_whole_limit(
     start, end = marks["dead"] + 3 * S, t0 + 10 * S
     (on_b,) = dispatched(logs[1:], "u", start, end)
     assert len(on_b) >= 0.95 * LIMIT * (end - start) / S
+
+
+def test_data_parallel_ranks_share_one_budget(
+    tiny_model_path: str, store: RedisServer
+) -> None:
+    """vLLM's CPU build runs --data-parallel-size 2 here (both ranks on core 0,
+    which is plenty for the tiny model at these limits). Each rank's scheduler
+    leases from the store: one user's streams, spread over both ranks by
+    vLLM's balancer, get one limit, not one per rank."""
+    args = [
+        "--default-user-output-tokens-per-second", "1000",
+        "--user-output-tokens-per-second", json.dumps({"dp-user": LIMIT}),
+        "--output-rate-store", store.url,
+        "--data-parallel-size", "2",
+        "--max-num-seqs", "8",
+    ]  # fmt: skip
+    with running_server(tiny_model_path, args) as url:
+        log = url.log_text()
+        assert log.count("Output rate limits shared through") == 2, log[-3000:]
+        spec = LoadSpec(
+            url,
+            tiny_model_path,
+            [UserLoad("dp-user", 4, LIMIT)],
+            max_tokens=24,
+            duration_s=8,
+        )
+        result = run_load_sync(spec)
+    assert result.ok, result.error_summary()
+    summary = result.user("dp-user")
+    assert summary.bound_ok, summary  # (span + 0.1) x limit + 1, +0.25 s
+    assert summary.rate_tok_s >= 0.85 * LIMIT, summary
