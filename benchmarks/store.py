@@ -14,18 +14,25 @@ Three measurements, each against a real redis-server started here:
   active users, one request each, steady decoding with no limit binding:
   the median ``schedule()`` time with the local limiter and with leases
   from the store (ratio measured side by side, interleaved steps).
+* ``engine`` (with ``--engines``; starts two real engines, so run it under
+  the CPU lock): the engine-throughput benchmark's load (vLLM's ``LLM``, 32
+  streams, limits far above demand), ours with the store against ours
+  without, paired rounds (target >= 0.98).
 
-Usage: ``python -m benchmarks.store [--quick] [--json PATH]`` (PYTHONPATH
-must hold tests/ and the repository root, as ``make bench`` sets it).
+Usage: ``python -m benchmarks.store [--quick] [--engines] [--json PATH]``
+(PYTHONPATH must hold tests/ and the repository root, as ``make bench``
+sets it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from harness.fake_clock import FakeClock
@@ -177,13 +184,40 @@ def step_cost(url: str, users: int, steps: int) -> dict[str, Any]:
     }
 
 
-def run(quick: bool) -> dict[str, Any]:
+def engine(url: str, quick: bool, work_dir: Path) -> dict[str, Any]:
+    from benchmarks.engine_throughput import (
+        STORE_KIND,
+        STORE_URL_ENV,
+        engine_throughput,
+    )
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+    os.environ[STORE_URL_ENV] = url
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result = engine_throughput(
+        str(build_tiny_model()),
+        work_dir,
+        settle=lambda: 0.0,
+        quick=quick,
+        kinds=("ours", STORE_KIND),
+    )
+    return {
+        "rounds": result["rounds"],
+        "ratio_median": result["ratio_median"],
+        "ratio_quartiles": result["ratio_quartiles"],
+    }
+
+
+def run(quick: bool, engines: bool, work_dir: Path) -> dict[str, Any]:
     with RedisServer() as server:
-        return {
+        result = {
             "accuracy": accuracy(server.url, 10 if quick else 20),
             "round_trips": round_trips(server.url, 5 if quick else 10),
             "step_cost": step_cost(server.url, 10_000, 20 if quick else 60),
         }
+        if engines:
+            result["engine"] = engine(server.url, quick, work_dir)
+        return result
 
 
 def format_markdown(result: dict[str, Any]) -> str:
@@ -211,6 +245,15 @@ def format_markdown(result: dict[str, Any]) -> str:
             f"| {row['users_asked_per_s']:.0f} | {row['tokens_per_s']:.0f} "
             f"| {row['rtt_mean_ms']:.2f} |"
         )
+    if "engine" in result:
+        eng = result["engine"]
+        q1, q3 = eng["ratio_quartiles"]
+        lines += [
+            "",
+            f"Engine throughput, limits not binding, with the store / without: "
+            f"{eng['ratio_median']:.3f} (quartiles {q1:.3f}-{q3:.3f}, "
+            f"{eng['rounds']} paired rounds).",
+        ]
     cost = result["step_cost"]
     lines += [
         "",
@@ -225,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--engines", action="store_true")
+    parser.add_argument("--work-dir", default="results/store-bench")
     args = parser.parse_args(argv)
-    result = run(args.quick)
+    result = run(args.quick, args.engines, Path(args.work_dir))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=2, default=str)

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from store.test_leases import assert_global_bound
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.e2e
 S = 1_000_000_000
 LIMIT = 40.0  # the shared user
 OTHER = 30.0  # a user on one server only
+ADMIN_KEY = "e2e-admin"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,8 @@ def servers(tiny_model_path: str, store: RedisServer, tmp_path_factory):
         "--max-num-seqs", "16",
     ]  # fmt: skip
     logs = [folder / "dispatch-a.csv", folder / "dispatch-b.csv"]
-    env = {"VLLM_PLUGINS": "output_rate,output_rate_http"}
+    env = {"VLLM_PLUGINS": "output_rate,output_rate_http",
+           "VLLM_OUTPUT_RATE_ADMIN_KEY": ADMIN_KEY}  # fmt: skip
     with (
         running_server(
             tiny_model_path,
@@ -134,6 +137,28 @@ def test_one_users_limit_holds_across_both_servers_split_by_demand(
     assert_global_bound(sorted(on_a + on_b), LIMIT, engines=2)
     (other,) = [t for t in dispatched(logs, "other", start, end)[1:]]
     assert len(other) >= 0.95 * OTHER * 8
+
+
+def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
+    servers,
+) -> None:
+    (a, b), _ = servers
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"user_output_tokens_per_second": {"late-user": 12.5}}
+    response = httpx.put(f"{a}/v1/output_rate/limits", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    changed = time.monotonic()
+    while time.monotonic() - changed < 1.0:
+        limits = httpx.get(f"{b}/v1/output_rate/limits", headers=headers).json()
+        if limits["user_output_tokens_per_second"].get("late-user") == 12.5:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"b did not see the change within 1 s: {limits}")
+    stats = httpx.get(f"{b}/v1/output_rate/stats", headers=headers).json()
+    assert stats["store"]["engines_seen"] == 2 and not stats["store"]["degraded"]
+    metrics = httpx.get(f"{b}/metrics").text
+    assert "vllm:output_rate_store_round_trip_seconds_count" in metrics
 
 
 def test_both_servers_keep_serving_while_the_store_is_down(
