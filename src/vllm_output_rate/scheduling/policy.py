@@ -404,6 +404,8 @@ class OutputRatePolicy:
     # ----- for the engine loop, operators and observers -------------------
 
     def limits(self) -> dict[str, Any]:
+        if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
         limiter = self.limiter
         return {DEFAULT_KEY: limiter.default_rate, USERS_KEY: limiter.user_rates}
 

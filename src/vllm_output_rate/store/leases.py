@@ -303,11 +303,7 @@ class LeasedLimiter:
     def between_steps(self, demand: Mapping[str, int], generation: object) -> None:
         """Apply the refresher's results; note new users (``generation``
         changes whenever a user appears or leaves ``demand``)."""
-        if self._results:
-            with self._lock:
-                results, self._results = self._results, []
-            for result in results:
-                self._apply_result(*result)
+        self.apply_pending()
         if generation != self._generation or demand is not self._demand:
             with self._lock:
                 self._demand, self._generation = demand, generation
@@ -319,6 +315,16 @@ class LeasedLimiter:
                 if self.degraded:
                     self.pacer.set_user_rates({u: self._fallback_rate(u) for u in new})
                 self.kick.set()
+
+    def apply_pending(self) -> None:
+        """Apply the refresher's posted results (scheduler thread only; also
+        called by the operator channel, which runs there, so that an idle
+        engine reports current limits)."""
+        if self._results:
+            with self._lock:
+                results, self._results = self._results, []
+            for result in results:
+                self._apply_result(*result)
 
     # ----- the refresher thread ------------------------------------------
 
