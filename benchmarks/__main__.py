@@ -9,6 +9,8 @@ Benchmarks, in the order they run:
 
 * ``scheduler_cost``: one scheduler step without a model, ours against stock
   (``benchmarks/scheduler_cost.py``; runs before any server starts);
+* ``store``: several engines sharing one Redis store (``benchmarks/store.py``:
+  its own redis-server, lease simulations, 10,000-user steps, two engines);
 * ``throughput``, ``isolation``, ``idle``, ``accuracy``: real vLLM OpenAI
   servers, stock against ours (one module each in ``benchmarks/``, with
   ``servers.py``, ``measure.py`` and ``report_format.py`` shared).
@@ -59,9 +61,10 @@ SERVER_BENCHMARKS: dict[str, tuple[BenchFn, FormatFn]] = {
     "accuracy": (accuracy, format_accuracy),
 }
 
-ORDER = ("scheduler_cost", "throughput", "isolation", "idle", "accuracy")
+ORDER = ("scheduler_cost", "store", "throughput", "isolation", "idle", "accuracy")
 SERVERS_NEEDED: dict[str, set[str]] = {
     "scheduler_cost": set(),
+    "store": set(),  # starts its own redis-server and engines
     "throughput": {"stock", "ours"},
     "isolation": {"stock", "ours"},
     "idle": {"stock", "ours", "ours-nowait"},
@@ -73,6 +76,7 @@ TITLES = {
     "isolation": "4. Isolation",
     "idle": "3. Idle engine while throttled",
     "accuracy": "5. Rate accuracy",
+    "store": "6. Several engines sharing a store",
 }
 
 
@@ -279,6 +283,61 @@ def format_scheduler_cost(
     return "\n".join(lines) + "\n"
 
 
+def run_store(quick: bool, work_dir: Path) -> dict[str, Any]:
+    from benchmarks import store
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return store.run(quick=quick, engines=True, work_dir=work_dir / "store")
+
+
+def format_store(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
+    from benchmarks import store
+
+    return (
+        f"## {TITLES['store']}\n\n"
+        + (store.__doc__ or "").split("\n\n", 1)[1].split("Usage:")[0].strip()
+        + "\n\n"
+        + store.format_markdown(results)
+        + "\n"
+    )
+
+
+def store_targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    ratios = [row["ratio"] for row in results["accuracy"].values()]
+    trips = [row["round_trips_per_s"] for row in results["round_trips"].values()]
+    rows: list[tuple[str, str, str, bool | None]] = [
+        (
+            "6. store: delivered / limit",
+            "0.98-1.02 per user, 2 engines",
+            f"{min(ratios):.3f}-{max(ratios):.3f}",
+            all(0.98 <= r <= 1.02 for r in ratios),
+        ),
+        (
+            "6. store: round trips",
+            "grow with active users and lease rate, not tokens",
+            f"{min(trips):.1f}-{max(trips):.1f} per s per engine for 10-1,000 users",
+            max(trips) <= 1.2 * min(trips),
+        ),
+        (
+            "6. store: step cost, 10,000 users",
+            "reported (no target)",
+            f"with the store / without {results['step_cost']['ratio']:.3f}",
+            None,
+        ),
+    ]
+    if "engine" in results:
+        ratio = results["engine"]["ratio_median"]
+        rows.append(
+            (
+                "6. store: engine throughput, limits not binding",
+                "with the store / without >= 0.98",
+                f"{ratio:.3f}",
+                ratio >= 0.98,
+            )
+        )
+    return rows
+
+
 def scheduler_cost_targets(
     results: dict[str, Any],
 ) -> list[tuple[str, str, str, bool | None]]:
@@ -316,6 +375,8 @@ def summary_rows(
     f = fmt
     if name == "scheduler_cost":
         return scheduler_cost_targets(results)
+    if name == "store":
+        return store_targets(results)
     if name == "throughput":
         return [
             (
@@ -466,6 +527,7 @@ def write_report(
         lines += [SLOW_STATE_NOTE, ""]
     sections = {
         "scheduler_cost": format_scheduler_cost,
+        "store": format_store,
         **{k: v[1] for k, v in SERVER_BENCHMARKS.items()},
     }
     for name in sorted(
@@ -548,6 +610,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traceback.print_exc()
                 errors["scheduler_cost"] = f"{type(exc).__name__}: {exc}"
             log(f"scheduler_cost: {time.monotonic() - t0:.0f} s")
+        if "store" in selected:
+            noise.mark("store")
+            t0 = time.monotonic()
+            try:
+                done["store"] = run_store(args.quick, work_dir)
+            except Exception as exc:
+                traceback.print_exc()
+                errors["store"] = f"{type(exc).__name__}: {exc}"
+            log(f"store: {time.monotonic() - t0:.0f} s")
         server_names = [n for n in selected if n in SERVER_BENCHMARKS]
         if server_names:
             from vllm_output_rate.demo.tiny_model import build_tiny_model
