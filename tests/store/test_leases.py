@@ -7,12 +7,11 @@ demand above the limit, the limit in total, split by demand.
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.bounds import assert_window_bound
 from harness.fake_clock import FakeClock
 from harness.redis_server import RedisServer
 from harness.store_sim import SimEngine, merged
@@ -24,17 +23,7 @@ BURST_NS = 100 * MS
 
 
 def assert_global_bound(times: list[int], rate: float, engines: int) -> None:
-    """Every window from one token to another holds at most
-    (W + burst) x rate + engines tokens (exact integers, one pass)."""
-    fraction = Fraction(repr(rate))
-    p, q = fraction.numerator, fraction.denominator
-    allowed = p * BURST_NS + (engines - 1) * q * NS_PER_SECOND
-    lowest = None
-    for k, t in enumerate(times):
-        f = k * q * NS_PER_SECOND - p * t
-        if lowest is not None:
-            assert f - lowest <= allowed, f"bound broken at token {k} of {len(times)}"
-        lowest = f if lowest is None else min(lowest, f)
+    assert_window_bound(times, rate, engines=engines)
 
 
 def make_engines(url: str, prefix: str, count: int, limit: float, clock: FakeClock):
