@@ -125,6 +125,7 @@ class OutputRatePolicy:
         self.stock_hook: Callable[[Request, int, int], int] | None = None
         # Called by close(), e.g. to stop a shared store's refresher.
         self.on_close: list[Callable[[], None]] = []
+        self._limits_version = 0  # the store's, when limits are shared
 
     def use_limiter(self, limiter: Budget) -> None:
         """Account against ``limiter`` from the next step on."""
@@ -173,6 +174,10 @@ class OutputRatePolicy:
         demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
         if self.leases is not None:
             self.leases.between_steps(demand, self.demand.generation)
+            if self.leases.limits_version != self._limits_version:
+                # Limits changed on another engine: metric labels follow.
+                self._limits_version = self.leases.limits_version
+                self.stats.set_named_users(self.limiter.user_rates)
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
         self._active_in_step = 0
