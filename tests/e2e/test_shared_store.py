@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from store.test_leases import assert_global_bound
 
+from harness.bounds import assert_window_bound
 from harness.redis_server import RedisServer
 from vllm_output_rate.demo.server import running_server, stop_process_group
 from vllm_output_rate.loadtest.loadgen import (
@@ -134,7 +134,7 @@ def test_one_users_limit_holds_across_both_servers_split_by_demand(
     total = len(on_a) + len(on_b)
     assert total >= 0.95 * LIMIT * 8, (len(on_a), len(on_b))
     assert len(on_a) / max(1, len(on_b)) == pytest.approx(3, rel=0.25)
-    assert_global_bound(sorted(on_a + on_b), LIMIT, engines=2)
+    assert_window_bound(sorted(on_a + on_b), LIMIT, engines=2)
     (other,) = [t for t in dispatched(logs, "other", start, end)[1:]]
     assert len(other) >= 0.95 * OTHER * 8
 
@@ -194,7 +194,7 @@ def test_both_servers_keep_serving_while_the_store_is_down(
     seconds = (end - marks["up"] - 2 * S) / S
     assert len(on_a) + len(on_b) == pytest.approx(LIMIT * seconds, rel=0.1)
     everything = dispatched(logs, "u", t0, end)
-    assert_global_bound(sorted(everything[0] + everything[1]), LIMIT, engines=2)
+    assert_window_bound(sorted(everything[0] + everything[1]), LIMIT, engines=2)
 
 
 def test_when_one_server_dies_the_other_gets_the_whole_limit(

@@ -13,8 +13,8 @@ import time
 from collections import Counter
 
 import pytest
-from store.test_leases import assert_global_bound
 
+from harness.bounds import assert_window_bound
 from harness.counting_limiter import CountingLimiter
 from harness.scheduler_sim import FakeClock, SchedulerHarness, make_scheduler
 from vllm_output_rate.store.leases import LeasedLimiter
@@ -77,7 +77,7 @@ def test_two_ranks_share_one_users_limit_3_to_1(
     assert 0.98 * LIMIT * 10 <= got_a + got_b <= LIMIT * 10 + 2
     assert got_a / got_b == pytest.approx(3, rel=0.05)
     assert sampled(b, "light", since) >= 0.98 * LIMIT * 10  # its own full limit
-    assert_global_bound(sorted(a.sampled_at("u") + b.sampled_at("u")), LIMIT, engines=2)
+    assert_window_bound(sorted(a.sampled_at("u") + b.sampled_at("u")), LIMIT, engines=2)
     for harness, limiter, refresher in ranks:
         harness.drain()
         dispatched = Counter(d.user for d in harness.dispatches if d.samples)
