@@ -135,7 +135,7 @@ def test_one_users_limit_holds_across_both_servers_split_by_demand(
     assert total >= 0.95 * LIMIT * 8, (len(on_a), len(on_b))
     assert len(on_a) / max(1, len(on_b)) == pytest.approx(3, rel=0.25)
     assert_window_bound(sorted(on_a + on_b), LIMIT, engines=2)
-    (other,) = [t for t in dispatched(logs, "other", start, end)[1:]]
+    other = dispatched(logs, "other", start, end)[1]  # on b only
     assert len(other) >= 0.95 * OTHER * 8
 
 
