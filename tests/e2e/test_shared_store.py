@@ -12,6 +12,7 @@ and restarted, then one server killed (the last, since it ends a server).
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,8 +46,9 @@ def store():
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_path: str, store: RedisServer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shared-store")
+def servers(tiny_model_path: str, store: RedisServer):
+    # Kept afterwards for post-mortems (pytest's own folders are pruned).
+    folder = Path(tempfile.mkdtemp(prefix="shared-store-e2e-"))
     args = [
         "--default-user-output-tokens-per-second", "1000",
         "--user-output-tokens-per-second", json.dumps({"u": LIMIT, "other": OTHER}),

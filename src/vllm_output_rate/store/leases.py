@@ -86,9 +86,12 @@ from vllm_output_rate.validation import validate_rate, validate_user_name
 
 NS = 1_000_000_000
 # Slack for the engine's step between an answer's arrival and its use.
-STEP_SLACK_S = 0.25
+STEP_SLACK_S = 0.1
 # A blocked user waiting for its first answer is looked at again this soon.
 FIRST_ANSWER_POLL_NS = 2_000_000
+# A shared user's lease is given back after this many asks in a row (one
+# per refresh cycle) saw no demand at all.
+RELEASE_AFTER_IDLE_ASKS = 3
 # An engine that was not held back reports what it used, with headroom.
 WANT_HEADROOM = 1.25
 WANT_EXTRA_TOK_S = 2.0
@@ -98,7 +101,7 @@ WANT_EXTRA_TOK_S = 2.0
 class Lease:
     rate: float  # this engine's share, tok/s (0: none free right now)
     expires_ns: int  # local clock; the rate is not used after it
-    weight: int  # unfinished requests reported with the last ask
+    weight: float  # unfinished requests reported with the last ask
     renew_ns: int  # when the next ask is due
     shared: bool = False  # other engines hold a lease for this user too
     # For shared users: tokens taken and steps held back (monotonic), and
@@ -109,6 +112,12 @@ class Lease:
     reported_held_back: int = 0
     reported_ns: int = 0
     used_rate: float = 0.0  # smoothed tok/s
+    # For shared users: the most unfinished requests in any step since the
+    # last ask, and how many asks in a row saw none. A stream between two
+    # requests has none for a moment; an instant's count would move shares,
+    # and every lowered share idles for the grace.
+    peak_demand: int = 0
+    idle_asks: int = 0
 
 
 @dataclass
@@ -304,6 +313,12 @@ class LeasedLimiter:
         """Apply the refresher's results; note new users (``generation``
         changes whenever a user appears or leaves ``demand``)."""
         self.apply_pending()
+        if self._shared:
+            leases = self._leases
+            for user in self._shared:
+                lease = leases.get(user)
+                if lease is not None:
+                    lease.peak_demand = max(lease.peak_demand, demand.get(user, 0))
         if generation != self._generation or demand is not self._demand:
             with self._lock:
                 self._demand, self._generation = demand, generation
@@ -348,8 +363,12 @@ class LeasedLimiter:
                 lease = leases.get(user)
                 if lease is None or user in asks:
                     continue
-                weight = demand.get(user, 0)
+                weight = self._weight(lease, demand.get(user, 0))
+                if weight is None:
+                    self._schedule(user, lease, self._refresh_ns, now)
+                    continue  # idle for a moment: ask nothing, keep the share
                 asks[user] = LeaseAsk(user, weight, self._want(lease, now, weight))
+                lease.weight = weight
                 if weight == 0:
                     # Given back: not used from now on (the user has no demand).
                     del leases[user]
@@ -390,7 +409,19 @@ class LeasedLimiter:
                 due.append(user)
         return due
 
-    def _want(self, lease: Lease, now: int, weight: int) -> float:
+    def _weight(self, lease: Lease, now_demand: int) -> int | None:
+        """The weight to report: a shared user's peak demand since the last
+        ask; None (ask nothing yet) while it has been idle only briefly."""
+        if not lease.shared:
+            return now_demand
+        peak, lease.peak_demand = max(lease.peak_demand, now_demand), 0
+        if peak:
+            lease.idle_asks = 0
+            return peak
+        lease.idle_asks += 1
+        return None if lease.idle_asks < RELEASE_AFTER_IDLE_ASKS else 0
+
+    def _want(self, lease: Lease, now: int, weight: float) -> float:
         """What this engine asks for: unbounded, unless the user is shared
         and was never held back since the last ask (then: what it used)."""
         if not lease.shared or weight == 0:

@@ -150,7 +150,7 @@ local function lease_one(user, w, want)
   if w == 0 and old_until <= now then
     redis.call('HDEL', key, engine)
   else
-    redis.call('HSET', key, engine, string.format('%d|%s|%.3f|%.3f|%d|%d',
+    redis.call('HSET', key, engine, string.format('%s|%s|%.3f|%.3f|%d|%d',
       w, want, rate, old, old_until, expiry))
     last_expiry = math.max(last_expiry, expiry)
   end
@@ -236,7 +236,7 @@ class LeaseAsk:
     want (tok/s it could use, or UNBOUNDED)."""
 
     user: str
-    weight: int
+    weight: float
     want: float = UNBOUNDED
 
 
@@ -337,7 +337,7 @@ class RedisLeaseStore:
             str(len(asks)),
         ]
         for ask in asks:
-            args += [ask.user, str(int(ask.weight)), _fmt(ask.want)]
+            args += [ask.user, _fmt(ask.weight), _fmt(ask.want)]
         raw = self._call(
             "the lease script",
             self._exchange,
