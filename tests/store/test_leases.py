@@ -244,3 +244,25 @@ def test_streams_that_come_and_go_still_get_the_whole_limit(
     assert_global_bound(merged(engines, "u"), 40.0, 2)
     for engine in engines:
         engine.close()
+
+
+def test_limits_changed_after_a_store_restart_still_reach_every_engine() -> None:
+    """A restarted store numbers its limits from 1 again: engines that had
+    seen a higher version must still adopt what it holds."""
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    with RedisServer() as server:
+        settings_ = StoreSettings(url=server.url, timeout_s=0.5)
+        engines = [SimEngine.create(f"e{i}", settings_, clock, 50.0) for i in range(2)]
+        for _ in range(3):
+            engines[0].limiter.update_rates(user_rates={"x": 5.0})
+            run(engines, clock, 0.3)
+        assert engines[1].limiter.limits_version >= 3
+        server.kill()
+        run(engines, clock, 0.3)
+        server.start()
+        run(engines, clock, 0.5)  # an engine seeds the empty store
+        engines[0].limiter.update_rates(user_rates={"x": 7.0})
+        run(engines, clock, 0.5)
+        assert engines[1].limiter.rate_of("x") == 7.0
+        for engine in engines:
+            engine.close()

@@ -125,6 +125,10 @@ def test_a_store_without_limits_says_so(redis_server: RedisServer) -> None:
     ex = client.exchange("a", [LeaseAsk("u", 1)], grace_us=GRACE)
     assert ex.limits_version == -1 and ex.rates == {}
     assert client.read_limits() is None
+    # An update cannot leave half a table behind (no default): seed first.
+    assert client.update_limits(default_rate=None, user_rates={"x": 1.0},
+                                remove_users=[]) == -1  # fmt: skip
+    assert client.read_limits() is None
     client.close()
 
 

@@ -464,7 +464,8 @@ class LeasedLimiter:
         counters.asks += len(round_.asks)
         counters.rtt_sum_s += rtt_s
         counters.rtt_max_s = max(counters.rtt_max_s, rtt_s)
-        if limits is not None and limits.version > self.limits_version:
+        # Any other version: a restarted store counts from 1 again.
+        if limits is not None and limits.version != self.limits_version:
             self._adopt_stored_limits(limits)
         self.engines_seen = max(1, exchange.engines)
         now = self._clock()

@@ -208,6 +208,7 @@ return 1
 
 # ARGV: default ('' to keep), number of users set, (user, rate)..., users removed...
 UPDATE_LUA = r"""
+if redis.call('HEXISTS', KEYS[1], '_version') == 0 then return -1 end
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], '_default', ARGV[1]) end
 local n = tonumber(ARGV[2])
 for i = 0, n - 1 do
@@ -383,7 +384,8 @@ class RedisLeaseStore:
         user_rates: Mapping[str, float],
         remove_users: Sequence[str],
     ) -> int:
-        """Apply a change to the stored limits; return the new version."""
+        """Apply a change to the stored limits; return the new version, or
+        -1 when the store holds no limits (seed them first)."""
         args: list[str] = ["" if default_rate is None else _fmt(default_rate)]
         args.append(str(len(user_rates)))
         for user, rate in user_rates.items():

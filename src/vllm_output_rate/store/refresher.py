@@ -75,14 +75,9 @@ class Refresher:
         self, round_: Round, now_us: int | None
     ) -> tuple[Exchange, StoredLimits | None]:
         store = self.store
-        for write in round_.writes:
-            store.update_limits(
-                default_rate=write.default_rate,
-                user_rates=write.user_rates,
-                remove_users=write.remove_users,
-            )
         exchange = self._exchange_in_chunks(round_.asks, now_us)
         if exchange.limits_version < 0:
+            # This engine's limits (an operator's changes included).
             default_rate, user_rates = round_.seed
             if store.seed_limits(default_rate, user_rates):
                 self._logger.info(
@@ -90,8 +85,15 @@ class Refresher:
                     store.settings.display_url,
                 )
             exchange = self._exchange_in_chunks(round_.asks, now_us)
+        version = exchange.limits_version
+        for write in round_.writes:
+            version = store.update_limits(
+                default_rate=write.default_rate,
+                user_rates=write.user_rates,
+                remove_users=write.remove_users,
+            )
         limits = None
-        if exchange.limits_version != round_.limits_known:
+        if version != round_.limits_known:
             limits = store.read_limits()
         return exchange, limits
 
