@@ -30,7 +30,7 @@ import pytest
 from harness.bounds import assert_window_bound
 from harness.redis_server import RedisServer
 from vllm_output_rate.demo.server import running_server, stop_process_group
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,
