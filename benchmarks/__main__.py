@@ -9,9 +9,11 @@ Usage::
 ``make bench`` runs the first form from the checkout's top with ``tests/``
 and the checkout on PYTHONPATH (``make bench BENCH_ARGS="--quick"`` passes
 options). Benchmarks, in the order they run: ``scheduler_cost`` (one
-scheduler step without a model, before any server starts), then
-``throughput``, ``isolation``, ``idle`` and ``accuracy`` on real vLLM OpenAI
-servers, stock against ours (``benchmarks.suite``).
+scheduler step without a model, before any server starts), ``store``
+(several engines sharing one Redis store, with its own redis-server and
+engines), then ``throughput``, ``isolation``, ``idle``, ``accuracy`` and
+``metrics_scrape`` on real vLLM OpenAI servers, stock against ours
+(``benchmarks.suite``).
 
 Every figure is a ratio of measurements taken side by side in the same run.
 The raw results (``results.json``) and server logs go to the work folder;

@@ -47,6 +47,9 @@ PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
 READY_TIMEOUT_S = 600.0
 ROUND_TIMEOUT_S = 300.0
 KINDS = ("stock", "ours")
+# "ours" leasing its limits from the store at this URL (benchmarks/store.py).
+STORE_KIND = "ours-store"
+STORE_URL_ENV = "VLLM_OUTPUT_RATE_BENCH_STORE_URL"
 # After each message vLLM's model worker keeps polling its shared-memory
 # queue for a second (SpinCondition.busy_loop_s), pinned to the same core as
 # the other engine's worker: a run that starts within that second shares the
@@ -63,10 +66,13 @@ def _child(kind: str, model: str) -> None:
     from vllm import LLM, SamplingParams
 
     extra: dict[str, Any] = {}
-    if kind == "ours":
-        extra["additional_config"] = {
-            "output_rate": {"default_user_output_tokens_per_second": DEFAULT_LIMIT}
+    if kind in ("ours", STORE_KIND):
+        section: dict[str, Any] = {
+            "default_user_output_tokens_per_second": DEFAULT_LIMIT
         }
+        if kind == STORE_KIND:
+            section["store_url"] = os.environ[STORE_URL_ENV]
+        extra["additional_config"] = {"output_rate": section}
     # The same engine settings as the benchmark servers (demo/server.py and
     # servers.SERVER_ARGS).
     llm = LLM(
@@ -194,21 +200,26 @@ def wait_until_idle(engines: list[_Engine]) -> float:
 
 
 def engine_throughput(
-    model: str, work_dir: Path, settle: Callable[[], float], quick: bool = False
+    model: str,
+    work_dir: Path,
+    settle: Callable[[], float],
+    quick: bool = False,
+    kinds: tuple[str, str] = KINDS,
 ) -> dict[str, Any]:
-    """Paired rounds of the same load on a stock and an 'ours' engine;
-    ``settle`` runs before each measurement (the quiet-machine gate)."""
+    """Paired rounds of the same load on two engines, by default stock and
+    'ours' (the ratio is the second over the first); ``settle`` runs before
+    each measurement (the quiet-machine gate)."""
     rounds = 4 if quick else 16
     python_path = hooks.install(work_dir / "step-timing-hook", step_timing.HOOK)
     engines: dict[str, _Engine] = {}
     try:
-        for kind in KINDS:  # one at a time: start-up is CPU-heavy
+        for kind in kinds:  # one at a time: start-up is CPU-heavy
             started = time.monotonic()
             engines[kind] = _Engine(kind, model, work_dir, python_path)
             log(f"engine {kind} ready after {time.monotonic() - started:.0f} s")
         runs: list[dict[str, Any]] = []
         for i in range(rounds):
-            order = KINDS if i % 2 == 0 else KINDS[::-1]
+            order = kinds if i % 2 == 0 else kinds[::-1]
             for kind in order:
                 idle_wait_s = wait_until_idle(list(engines.values()))
                 settle()
@@ -237,7 +248,7 @@ def engine_throughput(
     ratios = []
     for i in range(rounds):
         rate = {r["engine"]: r["tok_s"] for r in runs if r["round"] == i}
-        ratios.append(rate["ours"] / rate["stock"])
+        ratios.append(rate[kinds[1]] / rate[kinds[0]])
     ratio = median(ratios)
     q1, q3 = quartiles(ratios)
     return {
@@ -257,7 +268,7 @@ def engine_throughput(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=KINDS, required=True)
+    parser.add_argument("--child", choices=(*KINDS, STORE_KIND), required=True)
     parser.add_argument("--model", required=True)
     args = parser.parse_args()
     _child(args.child, args.model)

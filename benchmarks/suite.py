@@ -4,7 +4,8 @@ machine and versions, each benchmark's results or why it did not run, how
 busy the rest of the machine was meanwhile, and the servers' start-up times.
 The report (``benchmarks.report``) is made from this dict alone.
 
-Order: ``scheduler_cost`` first (no server), then the server benchmarks,
+Order: ``scheduler_cost`` and ``store`` first (no shared server; ``store``
+starts its own redis-server and engines), then the server benchmarks,
 which share one pool of servers: each server starts once, before the first
 benchmark that needs it, and stops after the last.
 """
@@ -32,6 +33,7 @@ from benchmarks.throughput import throughput
 
 ORDER = (
     "scheduler_cost",
+    "store",
     "throughput",
     "isolation",
     "idle",
@@ -49,6 +51,7 @@ SERVER_BENCHMARKS: dict[str, ServerBenchmark] = {
 }
 SERVERS_NEEDED: dict[str, set[str]] = {
     "scheduler_cost": set(),
+    "store": set(),  # starts its own redis-server and engines
     "throughput": {"stock", "ours"},
     "isolation": {"stock", "ours"},
     "idle": {"stock", "ours", "ours-nowait"},
@@ -63,6 +66,13 @@ def _scheduler_cost(quick: bool) -> dict[str, Any]:
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout
         return scheduler_cost.run(quick=quick)
+
+
+def _store(quick: bool, work_dir: Path) -> dict[str, Any]:
+    from benchmarks import store
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return store.run(quick=quick, engines=True, work_dir=work_dir / "store")
 
 
 def _error(exc: BaseException) -> str:
@@ -128,6 +138,14 @@ def run(
             except Exception as exc:
                 errors["scheduler_cost"] = _error(exc)
             log(f"scheduler_cost: {time.monotonic() - t0:.0f} s")
+        if "store" in selected:
+            noise.mark("store")
+            t0 = time.monotonic()
+            try:
+                done["store"] = _store(quick, work_dir)
+            except Exception as exc:
+                errors["store"] = _error(exc)
+            log(f"store: {time.monotonic() - t0:.0f} s")
         names = [n for n in ORDER if n in selected and n in SERVER_BENCHMARKS]
         if names:
             pool = _servers(names, quick, work_dir, noise, done, errors)

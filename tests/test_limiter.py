@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.bounds import assert_window_bound
 from harness.fake_clock import FakeClock
 from vllm_output_rate.limiter import NS_PER_SECOND, OutputRateLimiter
 
@@ -20,26 +21,6 @@ MS = 1_000_000
 def window_bound(window_ns: int, rate: float, burst_ns: int = BURST_NS) -> Fraction:
     """(W + burst) * rate + 1, exactly."""
     return Fraction(window_ns + burst_ns, NS_PER_SECOND) * Fraction(repr(rate)) + 1
-
-
-def assert_window_bound(admitted_at: list[int], rate: float) -> None:
-    """Every window that starts and ends at an admitted token respects the bound.
-
-    Those windows are the tightest: any other window holds no more tokens than
-    the one shrunk to its first and last admitted token. With
-    f(k) = k - rate * t_k, the window from token i to token j holds
-    j - i + 1 tokens and the bound reads f(j) - f(i) <= burst * rate, so one
-    pass with a running minimum checks all of them, in exact integers.
-    """
-    fraction = Fraction(repr(rate))
-    p, q = fraction.numerator, fraction.denominator
-    allowed = p * BURST_NS  # burst * rate, scaled by q * 1e9
-    lowest = None
-    for k, t in enumerate(admitted_at):
-        f = k * q * NS_PER_SECOND - p * t
-        if lowest is not None:
-            assert f - lowest <= allowed, f"bound broken at token {k} ({rate} tok/s)"
-        lowest = f if lowest is None else min(lowest, f)
 
 
 RATES = st.sampled_from([0.1, 0.5, 1, 2.5, 3.7, 10, 33.3, 100, 1234.5, 5000])

@@ -29,6 +29,7 @@ OVERRIDDEN = {
     "__init__",
     "schedule",
     "add_request",
+    "shutdown",
     "_reserve_prefill_lookahead",
     "_handle_blocked_waiting_request",
 }

@@ -24,6 +24,7 @@ from benchmarks.report import (
     isolation,
     metrics_scrape,
     scheduler_cost,
+    store,
     throughput,
 )
 from benchmarks.report.markdown import verdict
@@ -35,6 +36,7 @@ SECTIONS: dict[str, ModuleType] = {
     "idle": idle,
     "accuracy": accuracy,
     "metrics_scrape": metrics_scrape,
+    "store": store,
 }
 SERVER_BENCHMARKS = ("throughput", "isolation", "idle", "accuracy", "metrics_scrape")
 HISTORY = Path(__file__).with_name("history.md")

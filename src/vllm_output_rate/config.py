@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     validate_rate,
@@ -119,6 +120,8 @@ class OutputRateSettings:
     config_file: str | None = None
     metrics_users: tuple[str, ...] = ()
     metrics_recent_users: int = DEFAULT_METRICS_RECENT_USERS
+    # A shared store: one budget per user across every engine that uses it.
+    store: StoreSettings | None = None
 
     def to_additional_config(self) -> dict[str, Any]:
         """The canonical form stored in ``additional_config["output_rate"]``."""
@@ -128,6 +131,7 @@ class OutputRateSettings:
             FILE_KEY: self.config_file,
             METRICS_USERS_KEY: list(self.metrics_users),
             METRICS_RECENT_KEY: self.metrics_recent_users,
+            **(self.store.to_config() if self.store else {}),
         }
 
     @classmethod
@@ -141,13 +145,21 @@ class OutputRateSettings:
         where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
         _check_object(
             section,
-            (DEFAULT_KEY, USERS_KEY, FILE_KEY, METRICS_USERS_KEY, METRICS_RECENT_KEY),
+            (
+                DEFAULT_KEY,
+                USERS_KEY,
+                FILE_KEY,
+                METRICS_USERS_KEY,
+                METRICS_RECENT_KEY,
+                *STORE_KEYS,
+            ),
             where,
         )
         settings = merge_settings(
             config_file=section.get(FILE_KEY),
             default_rate=section.get(DEFAULT_KEY),
             user_rates=section.get(USERS_KEY),
+            store=StoreSettings.from_config(section, where),
             default_source=f"{where}[{DEFAULT_KEY!r}]",
             users_source=f"{where}[{USERS_KEY!r}]",
         )
@@ -180,16 +192,7 @@ class OutputRateSettings:
         )
 
 
-def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
-    """Read a JSON or YAML limits file (YAML is a superset of JSON).
-
-    Format::
-
-        default_user_output_tokens_per_second: 100
-        user_output_tokens_per_second:
-          user-a: 100
-          user-b: 500
-    """
+def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
     where = f"{FILE_FLAG} {path}"
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -201,7 +204,29 @@ def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
         raise OutputRateConfigError(f"{where}: not valid YAML/JSON: {exc}") from None
     if content is None:
         content = {}
-    _check_object(content, (DEFAULT_KEY, USERS_KEY), where)
+    return _check_object(content, (DEFAULT_KEY, USERS_KEY, *STORE_KEYS), where)
+
+
+def load_store_settings(path: str | Path) -> StoreSettings | None:
+    """The shared-store settings of a limits file (read at start-up only)."""
+    return StoreSettings.from_config(_read_limits_file(path), f"{FILE_FLAG} {path}")
+
+
+def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
+    """Read a JSON or YAML limits file (YAML is a superset of JSON).
+
+    Format::
+
+        default_user_output_tokens_per_second: 100
+        user_output_tokens_per_second:
+          user-a: 100
+          user-b: 500
+
+    It may also hold the ``store_*`` settings (see ``store/settings.py``),
+    which are read at start-up and not reloaded.
+    """
+    where = f"{FILE_FLAG} {path}"
+    content = _read_limits_file(path)
     default = content.get(DEFAULT_KEY)
     return (
         None if default is None else validate_rate(default, f"{where}: {DEFAULT_KEY}"),
@@ -214,6 +239,7 @@ def merge_settings(
     config_file: str | None = None,
     default_rate: object = None,
     user_rates: object = None,
+    store: StoreSettings | None = None,
     default_source: str = DEFAULT_FLAG,
     users_source: str = USERS_FLAG,
 ) -> OutputRateSettings | None:
@@ -222,6 +248,8 @@ def merge_settings(
     Returns None when no default rate is given anywhere: the feature is off.
     The ``*_source`` names go into error messages.
     """
+    if store is None and config_file:
+        store = load_store_settings(config_file)
     file_default, merged_users = (
         load_limits_file(config_file) if config_file else (None, {})
     )
@@ -231,9 +259,10 @@ def merge_settings(
         default = validate_rate(default_rate, default_source)
     elif file_default is not None:
         default = file_default
-    elif merged_users:
+    elif merged_users or store is not None:
+        given = f"{users_source} (or a limits file)" if merged_users else "A store"
         raise OutputRateConfigError(
-            f"{users_source} (or a limits file) was given without {DEFAULT_FLAG}: "
+            f"{given} was given without {DEFAULT_FLAG}: "
             "per-user limits need a default for everyone else"
         )
     else:
@@ -242,6 +271,7 @@ def merge_settings(
         default_rate=default,
         user_rates=merged_users,
         config_file=str(config_file) if config_file else None,
+        store=store,
     )
 
 

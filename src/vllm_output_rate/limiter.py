@@ -151,6 +151,38 @@ class OutputRateLimiter:
                 self._tat[user] = due_ns * new.scale
         self._default, self._overrides = new_default, overrides
 
+    def set_user_rates(self, rates: Mapping[str, float | None]) -> None:
+        """Give a few users their own rate (None: back to the default).
+
+        Like ``update_rates`` (each keeps the absolute due time of its next
+        token, so no burst), but its cost grows with the users named, not
+        with every user that has state: a shared store (``store/``) changes
+        a few users' local shares at a time.
+        """
+        changed: dict[str, _ScaledRate | None] = {}
+        for user, rate in rates.items():
+            validate_user_name(user)
+            changed[user] = (
+                None
+                if rate is None
+                else _ScaledRate.from_rate(
+                    validate_rate(rate, f"rate of user {user!r}"), self._burst_ns
+                )
+            )
+        if self._group_taken.keys() & changed.keys():
+            self._materialize_group()  # those TATs are in the default's units
+        overrides, default, tats = self._overrides, self._default, self._tat
+        for user, new in changed.items():
+            old = overrides.get(user, default)
+            if new is None:
+                overrides.pop(user, None)
+                new = default
+            else:
+                overrides[user] = new
+            tat = tats.get(user)
+            if tat is not None and new.scale != old.scale:
+                tats[user] = -(-tat // old.scale) * new.scale
+
     def try_take(self, user: str) -> bool:
         """Admit one output token for ``user`` now, or refuse and change nothing."""
         return self.take_up_to(user, 1) == 1

@@ -30,8 +30,8 @@ calls them:
   every path of ``AsyncLLM`` into the engine core passes through it.
 
 Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
-``schedule``, ``add_request`` and the private ``_reserve_prefill_lookahead``
-and ``_handle_blocked_waiting_request``; the attribute
+``schedule``, ``add_request``, ``shutdown`` and the private
+``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``; the attribute
 ``max_num_active_reqs`` is read by vLLM's waiting loop. The fast path (no
 limit binds) relies on two more facts: ``schedule()`` looks the hook up on
 ``self`` at each call (so an instance attribute can stand in for the
@@ -112,6 +112,8 @@ class SchedulerHost:
 
     def add_request(self, request: Request) -> None: ...
 
+    def shutdown(self) -> None: ...
+
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
@@ -188,6 +190,7 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ),
     ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ["self"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", ["self"]),
     (
         "vllm.v1.engine.core_client",
         "AsyncMPClient.call_utility_async",

@@ -1,4 +1,4 @@
-"""The specification's rate bound, checked exactly over dispatch times."""
+"""The specification's window bound, checked exactly over token times."""
 
 from __future__ import annotations
 
@@ -6,21 +6,37 @@ from fractions import Fraction
 
 MS = 1_000_000
 S = 1_000_000_000
+BURST_NS = 100 * MS
+
+
+def assert_window_bound(
+    admitted_at: list[int], rate: float, *, engines: int = 1
+) -> None:
+    """Every window that starts and ends at an admitted token holds at most
+    ``(W + burst) x rate + engines`` tokens (one engine: the specification's
+    ``+ 1``; N engines sharing a store: ``+ N``, see store/leases.py).
+
+    Those windows are the tightest: any other window holds no more tokens than
+    the one shrunk to its first and last admitted token. With
+    f(k) = k - rate * t_k, the window from token i to token j holds
+    j - i + 1 tokens and the bound reads
+    f(j) - f(i) <= burst * rate + engines - 1, so one pass with a running
+    minimum checks all of them, in exact integers. ``admitted_at`` is sorted.
+    """
+    fraction = Fraction(repr(rate))
+    p, q = fraction.numerator, fraction.denominator
+    # burst * rate + engines - 1, scaled by q * 1e9
+    allowed = p * BURST_NS + (engines - 1) * q * S
+    lowest = None
+    for k, t in enumerate(admitted_at):
+        f = k * q * S - p * t
+        if lowest is not None:
+            assert f - lowest <= allowed, (
+                f"bound broken at token {k} of {len(admitted_at)} ({rate} tok/s)"
+            )
+        lowest = f if lowest is None else min(lowest, f)
 
 
 def assert_bound(times_ns: list[int], rate: float) -> None:
-    """At most (W + 0.1) * rate + 1 tokens in every window of W seconds.
-
-    With f(k) = k - rate * t_k over the sorted token times, the bound for the
-    window from token i to token j is f(j) - f(i) <= 0.1 * rate, so one pass
-    with a running minimum checks every window exactly (integer arithmetic).
-    """
-    rate_fraction = Fraction(repr(rate))
-    p, q = rate_fraction.numerator, rate_fraction.denominator
-    allowed = p * 100 * MS  # 0.1 s * rate, scaled by q * 1e9
-    lowest = None
-    for k, t in enumerate(sorted(times_ns)):
-        f = k * q * S - p * t
-        if lowest is not None:
-            assert f - lowest <= allowed, f"bound broken at token {k} ({rate} tok/s)"
-        lowest = f if lowest is None else min(lowest, f)
+    """One engine's bound, (W + 0.1) x rate + 1, over unsorted times."""
+    assert_window_bound(sorted(times_ns), rate)

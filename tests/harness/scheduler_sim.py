@@ -296,7 +296,8 @@ def make_scheduler(
         log_stats=True,
     )
     clock = clock or FakeClock(1_000_000_000)
-    if limits is not None:
+    if limits is not None and "store_url" not in limits:
+        # (With a store the scheduler leases on the real clock by itself.)
         scheduler.output_rate.use_limiter(
             OutputRateLimiter(
                 limits["default_user_output_tokens_per_second"],

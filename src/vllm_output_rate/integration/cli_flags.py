@@ -15,10 +15,22 @@ from vllm_output_rate.config import (
     METRICS_USERS_FLAG,
     USERS_FLAG,
     OutputRateSettings,
+    load_store_settings,
     merge_settings,
     parse_metrics_users,
     parse_user_rates,
     validate_recent_users,
+)
+from vllm_output_rate.store.settings import (
+    FALLBACK_FLAG,
+    FALLBACK_KEY,
+    STORE_FLAG,
+    STORE_REQUIRED_FLAG,
+    STORE_REQUIRED_KEY,
+    STORE_URL_KEY,
+    StoreSettings,
+    check_store_url,
+    redact_url,
 )
 from vllm_output_rate.validation import OutputRateConfigError, validate_rate
 
@@ -46,11 +58,40 @@ def _metrics_users_arg(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class StoreUrl(str):
+    """A store URL that shows without its password (vLLM logs its flags)."""
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+    def __str__(self) -> str:
+        return redact_url(str.__str__(self))  # a plain str: no recursion
+
+
+def _store_arg(text: str) -> StoreUrl:
+    try:
+        return StoreUrl(check_store_url(text))
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _recent_users_arg(text: str) -> int:
     try:
         return validate_recent_users(text, METRICS_RECENT_FLAG)
     except OutputRateConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _share_arg(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{FALLBACK_FLAG}: expected a number in (0, 1], got {text!r}"
+        )
+    return share
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +156,31 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="Metrics: users that always get their own label, e.g. '[\"vip-1\"]'.",
     )
+    group.add_argument(
+        STORE_FLAG,
+        type=_store_arg,
+        default=None,
+        metavar="URL",
+        help="Share every user's budget with all engines using this Redis/Valkey "
+        "store (redis://, rediss://, valkey://, valkeys://, unix://); needed for "
+        "--data-parallel-size > 1. A password in the URL is never logged; or give "
+        "it in VLLM_OUTPUT_RATE_STORE_PASSWORD.",
+    )
+    group.add_argument(
+        STORE_REQUIRED_FLAG,
+        action="store_true",
+        default=None,
+        help="Refuse to start when the store is unreachable (default: start, "
+        "each engine serving its fallback share until the store is reachable).",
+    )
+    group.add_argument(
+        FALLBACK_FLAG,
+        type=_share_arg,
+        default=None,
+        metavar="SHARE",
+        help="Part of every limit an engine serves on its own while the store is "
+        "unreachable (default: 1 / the number of engines it last saw).",
+    )
 
 
 def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | None:
@@ -127,18 +193,56 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
     user_rates = getattr(args, "user_output_tokens_per_second", None)
     metrics_users = getattr(args, "output_rate_metrics_users", None)
     metrics_recent = getattr(args, "output_rate_metrics_recent_users", None)
+    store_url = getattr(args, "output_rate_store", None)
+    store_required = getattr(args, "output_rate_store_required", None)
+    fallback_share = getattr(args, "output_rate_store_fallback_share", None)
+    store_flags = (store_url, store_required, fallback_share)
     given = (config_file, default_rate, user_rates, metrics_users, metrics_recent)
     if all(value is None for value in given):
+        if any(flag is not None for flag in store_flags):
+            raise OutputRateConfigError(
+                f"{STORE_FLAG} and its options need {DEFAULT_FLAG}"
+            )
         return None
     base = OutputRateSettings.from_additional_config(
         getattr(args, "additional_config", None)
     )
+    store = None
     if base is not None:
         config_file = config_file or base.config_file
         default_rate = default_rate if default_rate is not None else base.default_rate
         user_rates = {**base.user_rates, **(user_rates or {})}
+        store = base.store
+    if store is None and config_file:
+        store = load_store_settings(config_file)
+    if store_url is not None or (
+        store is not None and any(flag is not None for flag in store_flags)
+    ):
+        fields = {} if store is None else store.to_config()
+        fields.update(
+            {
+                key: value
+                for key, value in (
+                    (
+                        STORE_URL_KEY,
+                        None if store_url is None else str.__str__(store_url),
+                    ),
+                    (STORE_REQUIRED_KEY, store_required),
+                    (FALLBACK_KEY, fallback_share),
+                )
+                if value is not None
+            }
+        )
+        store = StoreSettings.from_config(fields, STORE_FLAG)
+    elif any(flag is not None for flag in store_flags):
+        raise OutputRateConfigError(
+            f"{STORE_REQUIRED_FLAG} and {FALLBACK_FLAG} need {STORE_FLAG}"
+        )
     settings = merge_settings(
-        config_file=config_file, default_rate=default_rate, user_rates=user_rates
+        config_file=config_file,
+        default_rate=default_rate,
+        user_rates=user_rates,
+        store=store,
     )
     if settings is None:
         if metrics_users is not None or metrics_recent is not None:

@@ -40,14 +40,14 @@ def check_vllm_version(version: str | None = None) -> str:
     return version
 
 
-def check_supported_config(vllm_config: VllmConfig) -> None:
+def check_supported_config(vllm_config: VllmConfig, *, store: bool = False) -> None:
     """Reject engine settings that would break the per-user accounting.
 
     The reasons follow the specification: speculative decoding samples several
-    tokens per step but a request is charged one; every data-parallel rank
-    would keep its own budget for the same user; the other modes change how
-    steps are split, skipped or preempted in ways this scheduler does not
-    cover.
+    tokens per step but a request is charged one; without a shared store
+    (``store``), every data-parallel rank would keep its own budget for the
+    same user; the other modes change how steps are split, skipped or
+    preempted in ways this scheduler does not cover.
     """
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -58,9 +58,11 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             "tokens per request but the limiter charges one",
         ),
         (
-            parallel.data_parallel_size > 1,
-            f"--data-parallel-size {parallel.data_parallel_size}: every rank "
-            "would keep its own budget, so a user would get one budget per rank",
+            parallel.data_parallel_size > 1 and not store,
+            f"--data-parallel-size {parallel.data_parallel_size} without "
+            "--output-rate-store: every rank would keep its own budget, so a user "
+            "would get one budget per rank (give --output-rate-store URL to share "
+            "one budget through Redis/Valkey)",
         ),
         (
             parallel.pipeline_parallel_size > 1,

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.integration.compat import check_supported_config
+from vllm_output_rate.store.redis_store import (
+    RedisLeaseStore,
+    StoreIncompatible,
+    StoreUnavailable,
+)
+from vllm_output_rate.store.settings import (
+    STORE_FLAG,
+    STORE_REQUIRED_FLAG,
+    StoreSettings,
+)
 from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
@@ -22,6 +33,7 @@ CPU_ASYNC_ENV = "VLLM_OUTPUT_RATE_CPU_ASYNC_SCHEDULING"
 # Set in the process that built a rate-limited config (the API server), so
 # request validation there knows that limiting is on.
 limiting_enabled = False
+logger = logging.getLogger("vllm.output_rate")
 
 
 def _qualname(scheduler_cls: str | type) -> str:
@@ -40,7 +52,9 @@ def apply_output_rate(vllm_config: VllmConfig) -> OutputRateSettings | None:
     settings = OutputRateSettings.from_additional_config(vllm_config.additional_config)
     if settings is None:
         return None
-    check_supported_config(vllm_config)
+    check_supported_config(vllm_config, store=settings.store is not None)
+    if settings.store is not None:
+        check_store(settings.store)
     scheduler_config = vllm_config.scheduler_config
     requested = scheduler_config.scheduler_cls
     if requested is not None and _qualname(requested) not in OUR_SCHEDULERS:
@@ -59,3 +73,31 @@ def apply_output_rate(vllm_config: VllmConfig) -> OutputRateSettings | None:
     )
     limiting_enabled = True
     return settings
+
+
+def check_store(store: StoreSettings) -> None:
+    """Refuse a store that is not Redis-compatible, and an unreachable one
+    when it is required; otherwise start anyway and say so."""
+    client = RedisLeaseStore(store)
+    try:
+        version = client.check()
+    except StoreIncompatible as exc:
+        raise OutputRateConfigError(f"{STORE_FLAG}: {exc}") from None
+    except StoreUnavailable as exc:
+        if store.required:
+            raise OutputRateConfigError(
+                f"{STORE_FLAG}: {exc} ({STORE_REQUIRED_FLAG} refuses to start "
+                "without it)"
+            ) from None
+        logger.warning(
+            "%s: %s. Starting anyway: each engine serves every user at its "
+            "fallback share until the store is reachable (give %s to refuse "
+            "to start instead).",
+            STORE_FLAG,
+            exc,
+            STORE_REQUIRED_FLAG,
+        )
+    else:
+        logger.info("Output rate store %s: server %s", store.display_url, version)
+    finally:
+        client.close()

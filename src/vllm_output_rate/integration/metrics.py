@@ -20,6 +20,7 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
@@ -88,6 +89,9 @@ class OutputRateCollector(Collector):
         for label, rate in self._snapshot["limits"].items():
             limit.add_metric([label], rate)
         yield limit
+        store = self._snapshot.get("store")
+        if store is not None:
+            yield from store_metrics(store)
 
 
 def _histogram(
@@ -107,3 +111,36 @@ def _histogram(
             buckets.append((bound, cumulative))
         family.add_metric([label], buckets, histogram["sum_s"])
     return family
+
+
+def store_metrics(store: dict[str, Any]) -> Iterator[Any]:
+    """The shared store's lease state (only when a store is configured)."""
+    gauges = {
+        "degraded": "1 while this engine serves without the store (fallback)",
+        "engines_seen": "Engines sharing the store at the last round trip",
+        "leases": "Users this engine holds a lease for",
+        "shared_users": "Users whose limit this engine shares with other engines",
+        "blocked_users": "Users with demand waiting for a share of their limit",
+    }
+    for key, doc in gauges.items():
+        yield GaugeMetricFamily(PREFIX + "store_" + key, doc, value=float(store[key]))
+    counters = {
+        "exchanges": "Store round trips that succeeded",
+        "failures": "Store round trips that failed (unreachable, too slow)",
+        "fallbacks": "Times this engine started serving without the store",
+        "grants": "Leases granted or raised",
+        "returns": "Leases lowered or given back",
+    }
+    for key, doc in counters.items():
+        yield CounterMetricFamily(PREFIX + "store_" + key, doc, value=store[key])
+    yield SummaryMetricFamily(
+        PREFIX + "store_round_trip_seconds",
+        "Time of a successful store round trip, seen from the engine",
+        count_value=store["exchanges"],
+        sum_value=store["rtt_sum_s"],
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "store_round_trip_max_seconds",
+        "Longest successful store round trip so far",
+        value=store["rtt_max_s"],
+    )

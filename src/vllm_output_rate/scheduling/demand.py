@@ -42,11 +42,17 @@ class Demand:
         # A plain dict, not a Counter: Counter's == is a Python-level method,
         # and this one is compared every step.
         self.unfinished: dict[str, int] = {}
+        # Changes whenever a user joins or leaves ``unfinished``, so that a
+        # watcher (a shared store's leases) need not compare the users.
+        self.generation = 0
 
     def add(self, request_id: str, user: str) -> None:
         if request_id not in self.user_by_id:
             self.user_by_id[request_id] = user
-            self.unfinished[user] = self.unfinished.get(user, 0) + 1
+            count = self.unfinished.get(user, 0)
+            self.unfinished[user] = count + 1
+            if not count:
+                self.generation += 1
 
     def count_unfinished(
         self, finished_ids: Iterable[str], requests: Mapping[str, Any]
@@ -65,6 +71,7 @@ class Demand:
                 unfinished[user] -= 1
                 if not unfinished[user]:
                     del unfinished[user]
+                    self.generation += 1
         if len(users) != len(requests):
             self.recount(requests)
         return self.unfinished
@@ -72,6 +79,7 @@ class Demand:
     def recount(self, requests: Mapping[str, Any]) -> None:
         self.user_by_id = {rid: user_of(r) for rid, r in requests.items()}
         self.unfinished = dict(Counter(self.user_by_id.values()))
+        self.generation += 1
 
     def count_sampled(
         self,

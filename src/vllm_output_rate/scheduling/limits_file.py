@@ -12,8 +12,8 @@ import os
 import time
 from collections.abc import Callable
 
+from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import load_limits_file
-from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.validation import OutputRateConfigError
 
 CHECK_INTERVAL_S = 1.0
@@ -47,7 +47,7 @@ class LimitsFileWatcher:
             self._on_error(f"limits file not reloaded: {exc}")
             return None
 
-    def poll(self, limiter: OutputRateLimiter) -> bool:
+    def poll(self, limiter: Budget) -> bool:
         """Apply the file if it changed since the last look; True if applied."""
         now = self._clock()
         if now < self._next_check:

@@ -51,6 +51,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import (
     DEFAULT_KEY,
     USERS_KEY,
@@ -79,6 +80,7 @@ from vllm_output_rate.seams import (
     num_free_kv_blocks,
     preempt,
 )
+from vllm_output_rate.store.leases import LeasedLimiter
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -148,11 +150,23 @@ class OutputRatePolicy:
         # vLLM's own _reserve_prefill_lookahead, bound to the scheduler: the
         # fast path's stand-in for ours (set by the scheduler subclass).
         self.stock_hook: Callable[[Request, int, int], int] | None = None
+        # Called by close(), e.g. to stop a shared store's refresher.
+        self.on_close: list[Callable[[], None]] = []
 
-    def use_limiter(self, limiter: OutputRateLimiter) -> None:
+    def use_limiter(self, limiter: Budget) -> None:
         """Account against ``limiter`` from the next step on."""
         self.limiter = limiter
         self.budget = StepBudget(limiter, self._host.max_num_running_reqs)
+        # Leases from a shared store are synchronised between steps.
+        self.leases = limiter if isinstance(limiter, LeasedLimiter) else None
+        if self.leases is not None:
+            host = self._host
+            self.leases.attach(lambda: bool(host.requests))
+
+    def close(self) -> None:
+        for callback in self.on_close:
+            callback()
+        self.on_close.clear()
 
     # ----- requests -----------------------------------------------------
 
@@ -185,6 +199,8 @@ class OutputRatePolicy:
         if self._limits_file and self._limits_file.poll(self.limiter):
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
         demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
+        if self.leases is not None:
+            self.leases.between_steps(demand, self.demand.generation)
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
         self._active_in_step = 0
@@ -550,6 +566,8 @@ class OutputRatePolicy:
     # ----- for the engine loop, operators and observers -------------------
 
     def limits(self) -> dict[str, Any]:
+        if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
         limiter = self.limiter
         return {DEFAULT_KEY: limiter.default_rate, USERS_KEY: limiter.user_rates}
 
@@ -579,7 +597,10 @@ class OutputRatePolicy:
         for label in labels:
             if label != OTHER_USERS:
                 limits[label] = limiter.rate_of(label)
-        return {"labels": labels, "limits": limits}
+        snapshot: dict[str, Any] = {"labels": labels, "limits": limits}
+        if self.leases is not None:
+            snapshot["store"] = self.leases.store_snapshot()
+        return snapshot
 
     def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
         """One page of every user on record, with its limit (see

@@ -6,6 +6,7 @@ in the policy (``policy.py``), held under the one attribute these classes add
 to vLLM's scheduler: ``output_rate``. The overrides here only forward:
 
 * ``add_request``: tag the request with its user;
+* ``shutdown``: stop a shared store's refresher;
 * ``schedule``: begin the step (reserve budgets, order the running list),
   run vLLM's step, end it (charge, refund, statistics). In a fast step
   (nobody can be refused, no active slot contested) vLLM's own
@@ -31,6 +32,7 @@ from vllm.v1.request import Request
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
 from vllm_output_rate.seams import HOOK, check_host
+from vllm_output_rate.store.engine import start_leasing
 from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
@@ -67,6 +69,16 @@ class OutputRateMixin(_Host):
         )
         # vLLM's own hook, bound once: the fast path's stand-in for ours.
         self.output_rate.stock_hook = super()._reserve_prefill_lookahead
+        if settings.store is not None:
+            parallel = vllm_config.parallel_config
+            limiter, refresher = start_leasing(
+                settings,
+                data_parallel_rank=parallel.data_parallel_rank,
+                data_parallel_size=parallel.data_parallel_size,
+                logger=logger,
+            )
+            self.output_rate.use_limiter(limiter)
+            self.output_rate.on_close.append(refresher.stop)
         logger.info(
             "Per-user output rate limiting on: default %s tok/s, %d user "
             "override(s), --max-num-seqs %d, --max-num-active-seqs %d",
@@ -75,6 +87,10 @@ class OutputRateMixin(_Host):
             self.max_num_running_reqs,
             self.output_rate.active_cap,
         )
+
+    def shutdown(self) -> None:
+        self.output_rate.close()
+        super().shutdown()
 
     def add_request(self, request: Request) -> None:
         self.output_rate.tag(request)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.budget import Budget
 
 
 class StepBudget:
-    def __init__(self, limiter: OutputRateLimiter, max_tokens_per_step: int) -> None:
+    def __init__(self, limiter: Budget, max_tokens_per_step: int) -> None:
         self.limiter = limiter
         # No user can sample more tokens than requests are scheduled in a step.
         self._max_tokens_per_step = max_tokens_per_step

@@ -1,0 +1,54 @@
+"""What the scheduling policy needs from a per-user budget (no vLLM import).
+
+Two implementations, chosen at start-up like the storage backends of the
+``limits`` library or PyrateLimiter:
+
+* ``limiter.OutputRateLimiter``: GCRA in this engine's memory (the embedded
+  default; one engine, one budget per user);
+* ``store.leases.LeasedLimiter``: the same GCRA pacing, at this engine's
+  share of each user's limit, leased from a shared Redis/Valkey store so that
+  one budget per user holds across every engine using the store.
+
+The policy calls only what is listed here, once per step in one batch
+(``take_many``) plus refunds at its single refund point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+
+class Budget(Protocol):
+    @property
+    def burst_ns(self) -> int: ...
+
+    @property
+    def default_rate(self) -> float: ...
+
+    @property
+    def user_rates(self) -> dict[str, float]: ...
+
+    def now_ns(self) -> int: ...
+
+    def rate_of(self, user: str) -> float: ...
+
+    def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]: ...
+
+    def take_up_to(self, user: str, wanted: int) -> int: ...
+
+    def refund(self, user: str, count: int = 1) -> None: ...
+
+    def tokens_within(self, user: str, window_ns: int) -> int: ...
+
+    def ready_at_ns(self, user: str) -> int: ...
+
+    def cleanup_idle_users(self) -> int: ...
+
+    def update_rates(
+        self,
+        *,
+        default_rate: float | None = None,
+        user_rates: Mapping[str, float] | None = None,
+        remove_users: Iterable[str] = (),
+    ) -> None: ...

@@ -1,0 +1,303 @@
+"""Two real vLLM servers sharing one user's limit through a real redis-server.
+
+Each server's model worker has its own core (VLLM_CPU_OMP_THREADS_BIND), or
+the two would starve each other on a 2-core machine. Rates are judged on
+both engines' dispatch logs merged (CLOCK_MONOTONIC is shared on one
+machine); clients only check that every request completes.
+
+Each server also serves a user of its own ("witness-a", "other") that the
+store never holds back: a gap in its tokens is the engine itself stalling
+(another process had the core), and the shared user's expected total leaves
+out each engine's share of such stalls.
+
+The tests run in order on the same two servers: the split, an admin change,
+the store killed and restarted, then one server killed (the last, since it
+ends a server).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness.bounds import assert_window_bound
+from harness.redis_server import RedisServer
+from vllm_output_rate.demo.server import running_server, stop_process_group
+from vllm_output_rate.loadtest import (
+    LoadResult,
+    LoadSpec,
+    UserLoad,
+    run_load_sync,
+)
+from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
+
+pytestmark = pytest.mark.e2e
+
+S = 1_000_000_000
+LIMIT = 40.0  # the shared user
+OTHER = 30.0  # users on one server only: "witness-a" on a, "other" on b
+STALL_GAP_S = 0.2  # a gap this long in a 30 tok/s user's tokens: a stall
+ADMIN_KEY = "e2e-admin"
+
+
+@pytest.fixture(scope="module")
+def store():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path: str, store: RedisServer):
+    # Kept afterwards for post-mortems (pytest's own folders are pruned).
+    folder = Path(tempfile.mkdtemp(prefix="shared-store-e2e-"))
+    args = [
+        "--default-user-output-tokens-per-second", "1000",
+        "--user-output-tokens-per-second",
+        json.dumps({"u": LIMIT, "other": OTHER, "witness-a": OTHER}),
+        "--output-rate-store", store.url,
+        "--max-num-seqs", "16",
+    ]  # fmt: skip
+    logs = [folder / "dispatch-a.csv", folder / "dispatch-b.csv"]
+    env = {"VLLM_PLUGINS": "output_rate,output_rate_http",
+           "VLLM_OUTPUT_RATE_ADMIN_KEY": ADMIN_KEY}  # fmt: skip
+    with (
+        running_server(
+            tiny_model_path,
+            args,
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0",
+                 "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(logs[0])},
+        ) as a,
+        running_server(
+            tiny_model_path,
+            args,
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1",
+                 "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(logs[1])},
+        ) as b,
+    ):  # fmt: skip
+        for url in (a, b):
+            assert "Output rate limits shared through" in url.log_text()
+        yield (a, b), logs
+
+
+def load_both(model: str, a: str, b: str, seconds: float, during=None):
+    """u: 3 streams on a, 1 on b (48-token requests); the witnesses
+    "witness-a" on a and "other" on b, one request each that outlasts the
+    run. ``during(t0)`` runs meanwhile."""
+    specs = [
+        LoadSpec(a, model, [UserLoad("u", 3, LIMIT)], max_tokens=48,
+                 duration_s=seconds),
+        LoadSpec(b, model, [UserLoad("u", 1, LIMIT)], max_tokens=48,
+                 duration_s=seconds),
+        LoadSpec(a, model, [UserLoad("witness-a", 1, OTHER)],
+                 max_tokens=round(OTHER * (seconds + 2)), duration_s=0.5),
+        LoadSpec(b, model, [UserLoad("other", 1, OTHER)],
+                 max_tokens=round(OTHER * (seconds + 2)), duration_s=0.5),
+    ]  # fmt: skip
+    results: list[LoadResult | None] = [None] * len(specs)
+
+    def run(i: int) -> None:
+        results[i] = run_load_sync(specs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    t0 = time.monotonic_ns()
+    for thread in threads:
+        thread.start()
+    if during is not None:
+        during(t0)
+    for thread in threads:
+        thread.join()
+    return t0, results
+
+
+def dispatched(
+    logs: list[Path], user: str, start_ns: int, end_ns: int
+) -> list[list[int]]:
+    out = []
+    for log in logs:
+        times = read_dispatch_log(str(log)).get(user, []) if log.exists() else []
+        out.append([t for t in times if start_ns <= t < end_ns])
+    return out
+
+
+def stalled_s(times: list[int]) -> float:
+    """Seconds a 30 tok/s witness user went without tokens beyond its spacing."""
+    gaps = [(b - a) / S for a, b in itertools.pairwise(times)]
+    return sum(g - 1 / OTHER for g in gaps if g > STALL_GAP_S)
+
+
+def flush_wait() -> None:
+    time.sleep(1.5)  # the engines flush their dispatch logs every 4096 lines
+
+
+def test_one_users_limit_holds_across_both_servers_split_by_demand(
+    servers, tiny_model_path
+) -> None:
+    (a, b), logs = servers
+    t0, results = load_both(tiny_model_path, a, b, 10)
+    for result in results:
+        assert result is not None and result.ok, result and result.error_summary()
+    # The engines' logs flush at exit or every 4096 tokens: read what the
+    # servers have written by asking for a snapshot-free wait.
+    flush_wait()
+    start, end = t0 + 2 * S, t0 + 10 * S
+    on_a, on_b = dispatched(logs, "u", start, end)
+    witness = dispatched(logs, "witness-a", start, end)[0]
+    other = dispatched(logs, "other", start, end)[1]
+    stall_a, stall_b = stalled_s(witness), stalled_s(other)
+    # The limit over 8 s, less each engine's share (3:1) of its own stalls.
+    expected = LIMIT * (8 - 0.75 * stall_a - 0.25 * stall_b)
+    total = len(on_a) + len(on_b)
+    facts = (
+        f"u on a {len(on_a)}, on b {len(on_b)}; "
+        f"stalls a {stall_a:.2f} s, b {stall_b:.2f} s"
+    )
+    assert total >= 0.95 * expected, facts
+    assert len(on_a) / max(1, len(on_b)) == pytest.approx(3, rel=0.25), facts
+    assert_window_bound(sorted(on_a + on_b), LIMIT, engines=2)
+    for alone, stall in ((witness, stall_a), (other, stall_b)):
+        assert len(alone) >= 0.95 * OTHER * (8 - stall), facts
+
+
+def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
+    servers,
+) -> None:
+    (a, b), _ = servers
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"user_output_tokens_per_second": {"late-user": 12.5}}
+    response = httpx.put(f"{a}/v1/output_rate/limits", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    changed = time.monotonic()
+    while time.monotonic() - changed < 1.0:
+        limits = httpx.get(f"{b}/v1/output_rate/limits", headers=headers).json()
+        if limits["user_output_tokens_per_second"].get("late-user") == 12.5:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"b did not see the change within 1 s: {limits}")
+    stats = httpx.get(f"{b}/v1/output_rate/stats", headers=headers).json()
+    assert stats["store"]["engines_seen"] == 2 and not stats["store"]["degraded"]
+    metrics = httpx.get(f"{b}/metrics").text
+    assert "vllm:output_rate_store_round_trip_seconds_count" in metrics
+
+
+def test_both_servers_keep_serving_while_the_store_is_down(
+    servers, store: RedisServer, tiny_model_path
+) -> None:
+    (a, b), logs = servers
+    marks: dict[str, int] = {}
+
+    def outage(t0: int) -> None:
+        time.sleep(2)
+        store.kill()
+        marks["down"] = time.monotonic_ns()
+        time.sleep(5)
+        store.start()
+        marks["up"] = time.monotonic_ns()
+
+    t0, results = load_both(tiny_model_path, a, b, 12, during=outage)
+    for result in results:
+        assert result is not None and result.ok, result and result.error_summary()
+    flush_wait()
+    for url in (a, b):
+        log = url.log_text()
+        assert "Output rate store unreachable" in log
+        assert "reachable again" in log
+    # After the leases ran out (2 s), each engine serves u at limit / 2.
+    window = (marks["down"] + 3 * S, marks["up"])
+    seconds = (window[1] - window[0]) / S
+    witnesses = [
+        dispatched(logs, "witness-a", *window)[0],
+        dispatched(logs, "other", *window)[1],
+    ]
+    for count, witness in zip(
+        map(len, dispatched(logs, "u", *window)), witnesses, strict=True
+    ):
+        expected = LIMIT / 2 * (seconds - stalled_s(witness))
+        assert count == pytest.approx(expected, rel=0.2), (count, expected)
+    # Back on leases: the limit again (the bound is checked below).
+    end = t0 + 12 * S
+    on_a, on_b = dispatched(logs, "u", marks["up"] + 2 * S, end)
+    seconds = (end - marks["up"] - 2 * S) / S
+    stall_a = stalled_s(dispatched(logs, "witness-a", marks["up"] + 2 * S, end)[0])
+    stall_b = stalled_s(dispatched(logs, "other", marks["up"] + 2 * S, end)[1])
+    expected = LIMIT * (seconds - 0.75 * stall_a - 0.25 * stall_b)
+    assert len(on_a) + len(on_b) >= 0.9 * expected, (len(on_a), len(on_b))
+    everything = dispatched(logs, "u", t0, end)
+    assert_window_bound(sorted(everything[0] + everything[1]), LIMIT, engines=2)
+
+
+def test_when_one_server_dies_the_other_gets_the_whole_limit(
+    servers, tiny_model_path
+) -> None:
+    (a, b), logs = servers
+    marks: dict[str, int] = {}
+
+    def kill_a(t0: int) -> None:
+        time.sleep(3)
+        stop_process_group(a.process, timeout_s=5)
+        marks["dead"] = time.monotonic_ns()
+
+    spec = LoadSpec(b, tiny_model_path, [UserLoad("u", 2, LIMIT)], max_tokens=48,
+                    duration_s=10)  # fmt: skip
+    witness = LoadSpec(b, tiny_model_path, [UserLoad("other", 1, OTHER)],
+                       max_tokens=round(OTHER * 11), duration_s=0.5)  # fmt: skip
+    result: list[LoadResult] = []
+    thread = threading.Thread(target=lambda: result.append(run_load_sync(spec)))
+    witness_thread = threading.Thread(target=lambda: run_load_sync(witness))
+    t0 = time.monotonic_ns()
+    thread.start()
+    witness_thread.start()
+    # u also streams on a until a dies (those requests fail: a is gone).
+    a_spec = LoadSpec(a, tiny_model_path, [UserLoad("u", 2, LIMIT)], max_tokens=24,
+                      duration_s=10)  # fmt: skip
+    a_thread = threading.Thread(target=lambda: run_load_sync(a_spec), daemon=True)
+    a_thread.start()
+    kill_a(t0)
+    thread.join()
+    witness_thread.join()
+    assert result and result[0].ok, result and result[0].error_summary()
+    flush_wait()
+    # Within one lease period (2 s, plus the grace), b runs u at the limit.
+    start, end = marks["dead"] + 3 * S, t0 + 10 * S
+    on_b = dispatched(logs, "u", start, end)[1]
+    stall = stalled_s(dispatched(logs, "other", start, end)[1])
+    expected = LIMIT * ((end - start) / S - stall)
+    assert len(on_b) >= 0.95 * expected, (len(on_b), expected, stall)
+
+
+def test_data_parallel_ranks_share_one_budget(
+    tiny_model_path: str, store: RedisServer
+) -> None:
+    """vLLM's CPU build runs --data-parallel-size 2 here (both ranks on core 0,
+    which is plenty for the tiny model at these limits). Each rank's scheduler
+    leases from the store: one user's streams, spread over both ranks by
+    vLLM's balancer, get one limit, not one per rank."""
+    args = [
+        "--default-user-output-tokens-per-second", "1000",
+        "--user-output-tokens-per-second", json.dumps({"dp-user": LIMIT}),
+        "--output-rate-store", store.url,
+        "--data-parallel-size", "2",
+        "--max-num-seqs", "8",
+    ]  # fmt: skip
+    with running_server(tiny_model_path, args) as url:
+        log = url.log_text()
+        assert log.count("Output rate limits shared through") == 2, log[-3000:]
+        spec = LoadSpec(
+            url,
+            tiny_model_path,
+            [UserLoad("dp-user", 4, LIMIT)],
+            max_tokens=24,
+            duration_s=8,
+        )
+        result = run_load_sync(spec)
+    assert result.ok, result.error_summary()
+    summary = result.user("dp-user")
+    assert summary.bound_ok, summary  # (span + 0.1) x limit + 1, +0.25 s
+    assert summary.rate_tok_s >= 0.85 * LIMIT, summary
