@@ -16,7 +16,7 @@ this class for a few extra, untimed steps.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm_output_rate.limiter import OutputRateLimiter
@@ -55,6 +55,17 @@ class CountingLimiter(OutputRateLimiter):
     def refund(self, user: str, count: int = 1) -> None:
         self.calls["refund"] += 1
         super().refund(user, count)
+        if count > 0:
+            self.net[user] -= count
+
+    def refund_late(
+        self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
+    ) -> None:
+        self.calls["refund_late"] += 1
+        later = list(later_takes)
+        if later:
+            self.calls["refund_late_after_takes"] += 1
+        super().refund_late(user, count, later)
         if count > 0:
             self.net[user] -= count
 

@@ -7,12 +7,22 @@ The engine configuration is built the way ``vllm serve`` builds it (through
 vLLM's own class (or ours), and only the model runner is replaced by
 synthetic outputs: every request whose scheduled chunk reaches the end of its
 sequence samples one token. Asynchronous scheduling is reproduced by
-processing each step's output one step late, as vLLM's batch queue does.
+processing each step's output one step late, as vLLM's batch queue does;
+``in_flight`` keeps more steps in flight (pipeline parallelism).
+
+With ``num_spec_tokens`` the engine configuration has n-gram speculative
+decoding: after each synchronous step the harness proposes draft tokens for
+every request that sampled (``proposals``), as vLLM's drafter does, and the
+model accepts some of the drafts a step verifies (``acceptance``; by default
+a seeded uniform draw), emitting the accepted drafts plus one token. Drafts
+vLLM pads with ``-1`` (a request just taken from the waiting queue) are
+always rejected, as vLLM's rejection sampler does.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +40,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -52,6 +62,19 @@ class Dispatch:
     user: str
     num_tokens: int
     samples: bool
+    drafts: int = 0
+
+
+# (request, drafts verified in the step) -> drafts accepted
+Acceptance = Callable[[Request, int], int]
+
+
+@dataclass
+class _InFlight:
+    output: SchedulerOutput
+    sampling: set[str]
+    time_ns: int
+    padded: set[str]  # requests whose drafts are vLLM's -1 padding
 
 
 @dataclass
@@ -60,6 +83,14 @@ class SchedulerHarness:
     clock: FakeClock
     eos_token_id: int
     is_async: bool
+    # Steps whose output is still to come when the next step is scheduled.
+    in_flight: int = 0
+    num_spec_tokens: int = 0
+    # Speculative decoding: drafts proposed for a request after a step, and
+    # how many of a step's drafts the model accepts.
+    proposals: Callable[[Request], int] | None = None
+    acceptance: Acceptance | None = None
+    rng: random.Random = field(default_factory=lambda: random.Random(15))
     # Every (request, step) the scheduler dispatched, in order.
     dispatches: list[Dispatch] = field(default_factory=list)
     # request id -> output token ids received so far (from update_from_output)
@@ -68,9 +99,11 @@ class SchedulerHarness:
     users: dict[str, str] = field(default_factory=dict)  # request id -> user
     # request id -> 0-based output index at which the model emits EOS
     eos_at: dict[str, int] = field(default_factory=dict)
+    # (dispatch time, user) of every token a request received
+    received_at: list[tuple[int, str]] = field(default_factory=list)
     steps: int = 0
     preemptions: int = 0
-    _pending: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
+    _pending: deque[_InFlight] = field(default_factory=deque)
     _ids: Any = field(default_factory=itertools.count)
 
     # ----- requests ----------------------------------------------------
@@ -129,6 +162,9 @@ class SchedulerHarness:
         self.steps += 1
         self.preemptions += len(output.preempted_req_ids)
         sampling = set()
+        spec = output.scheduled_spec_decode_tokens
+        padded = {r.req_id for r in output.scheduled_new_reqs}
+        padded |= output.scheduled_cached_reqs.resumed_req_ids
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             # After scheduling, a chunk that reached the end is not a prefill
@@ -144,12 +180,13 @@ class SchedulerHarness:
                     self.users[request_id],
                     num_tokens,
                     samples,
+                    len(spec.get(request_id, ())),
                 )
             )
-        self._pending.append((output, sampling))
+        self._pending.append(_InFlight(output, sampling, self.clock.now_ns, padded))
         # Synchronous: results come back before the next schedule(). Async:
         # one step stays in flight, like vLLM's batch queue of depth 2.
-        while len(self._pending) > (1 if self.is_async else 0):
+        while len(self._pending) > self.in_flight:
             self._finish_oldest()
         return output
 
@@ -159,20 +196,27 @@ class SchedulerHarness:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        output, sampling = self._pending.popleft()
+        step = self._pending.popleft()
+        output = step.output
+        spec = output.scheduled_spec_decode_tokens
         req_ids = list(output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for request_id in req_ids:
-            if request_id not in sampling or request_id in self.finished:
+            if request_id not in step.sampling or request_id in self.finished:
                 sampled.append([])
                 continue
+            drafts = len(spec.get(request_id, ()))
+            accepted = 0
+            if drafts and request_id not in step.padded:
+                accepted = min(drafts, self._accepted(request_id, drafts))
+            # Steps are processed in order: earlier outputs are already in.
             index = len(self.outputs[request_id])
-            token = (
-                self.eos_token_id
-                if self.eos_at.get(request_id) == index
-                else SAMPLED_TOKEN
-            )
-            sampled.append([token])
+            eos_index = self.eos_at.get(request_id)
+            tokens = [
+                self.eos_token_id if eos_index == index + i else SAMPLED_TOKEN
+                for i in range(accepted + 1)
+            ]
+            sampled.append(tokens)
         model_output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -182,8 +226,30 @@ class SchedulerHarness:
         for client_outputs in engine_outputs.values():
             for out in client_outputs.outputs:
                 self.outputs[out.request_id].extend(out.new_token_ids)
+                user = self.users[out.request_id]
+                self.received_at.extend([(step.time_ns, user)] * len(out.new_token_ids))
                 if out.finish_reason is not None:
                     self.finished[out.request_id] = str(out.finish_reason)
+        if self.num_spec_tokens and not self.is_async:
+            self._propose_drafts(req_ids)
+
+    def _accepted(self, request_id: str, drafts: int) -> int:
+        if self.acceptance is not None:
+            return self.acceptance(self.scheduler.requests[request_id], drafts)
+        return self.rng.randint(0, drafts)
+
+    def _propose_drafts(self, req_ids: list[str]) -> None:
+        """What vLLM's engine does after a synchronous step: hand the
+        drafter's proposals to the scheduler."""
+        requests = self.scheduler.requests
+        live = [rid for rid in req_ids if rid in requests]
+        counts = [
+            self.proposals(requests[rid]) if self.proposals else self.num_spec_tokens
+            for rid in live
+        ]
+        self.scheduler.update_draft_token_ids(
+            DraftTokenIds(live, [[SAMPLED_TOKEN] * n for n in counts])
+        )
 
     def run_until_done(self, step_ns: int, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
@@ -199,6 +265,28 @@ class SchedulerHarness:
     def sampled_at(self, user: str) -> list[int]:
         """Clock readings of every dispatched sampling step of ``user``."""
         return [d.time_ns for d in self.dispatches if d.user == user and d.samples]
+
+    def received_by(self, user: str) -> list[int]:
+        """Dispatch times of every token ``user`` received."""
+        return [t for t, u in self.received_at if u == user]
+
+    def received_tokens(self) -> dict[str, int]:
+        """Tokens received per user."""
+        totals: dict[str, int] = {}
+        for request_id, tokens in self.outputs.items():
+            user = self.users[request_id]
+            totals[user] = totals.get(user, 0) + len(tokens)
+        return {u: n for u, n in totals.items() if n}
+
+    def settle(self) -> None:
+        """End of a test: process every step in flight, abort what is left,
+        and schedule once more so that the scheduler's refund point sees it
+        all."""
+        self.drain()
+        for request_id in list(self.scheduler.requests):
+            self.abort(request_id)
+        self.scheduler.schedule()
+        self.drain()
 
     def sampled_by_request(self, request_id: str) -> list[int]:
         return [
@@ -235,12 +323,16 @@ def make_scheduler(
     policy: str = "fcfs",
     long_prefill_token_threshold: int = 0,
     clock: FakeClock | None = None,
+    num_spec_tokens: int = 0,
+    in_flight: int | None = None,
 ) -> SchedulerHarness:
     """A real vLLM scheduler on the tiny model's real engine configuration.
 
     ``limits`` is the ``additional_config['output_rate']`` section, or None
     for stock vLLM. The scheduler class defaults to vLLM's own, or to ours
-    when limits are given.
+    when limits are given. ``num_spec_tokens`` turns on n-gram speculative
+    decoding with that many draft tokens; ``in_flight`` is how many steps
+    stay in flight (default: 1 for async scheduling, else 0).
     """
     additional_config = {ADDITIONAL_CONFIG_KEY: limits} if limits is not None else {}
     engine_args = EngineArgs(
@@ -257,6 +349,16 @@ def make_scheduler(
         block_size=BLOCK_SIZE,
         additional_config=additional_config,
         skip_tokenizer_init=True,
+        speculative_config=(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": num_spec_tokens,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+            if num_spec_tokens
+            else None
+        ),
     )
     vllm_config = engine_args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -295,6 +397,8 @@ def make_scheduler(
         clock=clock,
         eos_token_id=1,
         is_async=is_async,
+        in_flight=(1 if is_async else 0) if in_flight is None else in_flight,
+        num_spec_tokens=num_spec_tokens,
     )
 
 

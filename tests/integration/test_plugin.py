@@ -159,7 +159,6 @@ def test_a_foreign_scheduler_class_is_refused(parser, tiny_model_path: str) -> N
             lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
             "pipeline-parallel",
         ),
-        (lambda c: setattr(c, "speculative_config", object()), "speculative"),
         (lambda c: setattr(c, "kv_transfer_config", object()), "KV connectors"),
         (lambda c: setattr(c.cache_config, "kv_offloading_size", 4.0), "offloading"),
     ],

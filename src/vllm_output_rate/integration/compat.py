@@ -53,11 +53,6 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
     parallel = vllm_config.parallel_config
     rejections: list[tuple[bool, str]] = [
         (
-            vllm_config.speculative_config is not None,
-            "speculative decoding (--speculative-config): a step can emit several "
-            "tokens per request but the limiter charges one",
-        ),
-        (
             parallel.data_parallel_size > 1,
             f"--data-parallel-size {parallel.data_parallel_size}: every rank "
             "would keep its own budget, so a user would get one budget per rank",

@@ -31,6 +31,12 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
 
 ``update_from_output`` never touches the limiter, which keeps asynchronous
 scheduling possible.
+
+With speculative decoding a sampling chunk is charged the most it can emit
+(one token plus its drafts, which are trimmed first to the user's budget),
+each user's reservation is sized to that, and the tokens the user did not
+receive (rejected drafts, a stop, an abort) go back at the start of a later
+step, before its reservation (``speculative.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from vllm_output_rate.scheduling.demand import (
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
+from vllm_output_rate.scheduling.speculative import SpeculativeLedger
 from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import inflight_prefills
@@ -90,6 +97,8 @@ class OutputRatePolicy:
         chunked_prefill: bool,
         prefix_caching: bool,
         logger: logging.Logger,
+        num_spec_tokens: int = 0,
+        late_outputs: bool = False,
     ) -> None:
         self.settings = settings
         self._host = host
@@ -98,6 +107,13 @@ class OutputRatePolicy:
         self.active_cap = host.max_num_active_reqs
         self._chunked_prefill = chunked_prefill
         self._prefix_caching = prefix_caching
+        # Speculative decoding's accounts (None without it). `late_outputs`:
+        # a step's output can arrive after the next step was scheduled.
+        self.speculative = (
+            SpeculativeLedger(num_spec_tokens, late_refunds=late_outputs)
+            if num_spec_tokens > 0
+            else None
+        )
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         self.demand = Demand()
         self.stats = OutputRateStats(settings.user_rates)
@@ -125,7 +141,8 @@ class OutputRatePolicy:
     def use_limiter(self, limiter: OutputRateLimiter) -> None:
         """Account against ``limiter`` from the next step on."""
         self.limiter = limiter
-        self.budget = StepBudget(limiter, self._host.max_num_running_reqs)
+        per_request = self.speculative.tokens_per_request if self.speculative else 1
+        self.budget = StepBudget(limiter, self._host.max_num_running_reqs * per_request)
 
     # ----- requests -----------------------------------------------------
 
@@ -156,7 +173,16 @@ class OutputRatePolicy:
         if self._limits_file and self._limits_file.poll(self.limiter):
             self.stats.set_named_users(self.limiter.user_rates)
             self._logger.info("Limits file reloaded: %s", self.limits())
-        demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
+        spec = self.speculative
+        if spec is not None:
+            self._give_back_undelivered(spec)
+        demand: Mapping[str, int] = self.demand.count_unfinished(
+            host.finished_req_ids, host.requests
+        )
+        if spec is not None:
+            per_request = spec.tokens_per_request
+            demand = {user: n * per_request for user, n in demand.items()}
+            spec.charges.clear()
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
         self._active_in_step = 0
@@ -174,11 +200,35 @@ class OutputRatePolicy:
 
     def end_step(self, output: SchedulerOutput, fast: bool) -> None:
         """Charge and refund the step's tokens, and keep statistics."""
+        now_ns = self.limiter.now_ns()
+        served: Mapping[str, int]
         if fast:
-            served, undispatched = self._charge_dispatched(output), NOTHING
+            served, undispatched = self._charge_dispatched(output, now_ns), NOTHING
         else:
             served, undispatched = self._sort_charged(output)
-        self._settle(output, served, undispatched)
+            if self.speculative is not None:
+                self.speculative.record_step(
+                    self.step,
+                    now_ns,
+                    output,
+                    self._host.requests,
+                    self.speculative.charges,
+                )
+        self._settle(output, served, undispatched, now_ns)
+
+    def _give_back_undelivered(self, spec: SpeculativeLedger) -> None:
+        """Speculative decoding: return the tokens charged for reported steps
+        that their users did not receive (before this step's reservation)."""
+        limiter = self.limiter
+        for user, refund in spec.resolve().items():
+            limiter.refund_late(user, refund.count, refund.later_takes)
+        if spec.undercharged:
+            self._logger.warning(
+                "Users received more tokens than they were charged: %s",
+                dict(spec.undercharged),
+            )
+            for user, count in spec.undercharged.items():
+                limiter.take_up_to(user, count)
 
     def _plan_step(self) -> dict[Request, float]:
         """Order the running list for this step; see the module docstring."""
@@ -233,12 +283,21 @@ class OutputRatePolicy:
             for request in preempted:
                 waiting.add_request(request)
 
-    def _charge_dispatched(self, output: SchedulerOutput) -> Mapping[str, int]:
+    def _charge_dispatched(
+        self, output: SchedulerOutput, now_ns: int
+    ) -> Mapping[str, int]:
         """Fast path: charge each user the sampling chunks dispatched."""
         host = self._host
-        served = self.demand.count_sampled(
-            output.num_scheduled_tokens, inflight_prefills(host), host.requests
-        )
+        served: Mapping[str, int]
+        if self.speculative is not None:
+            # The most each chunk can emit (it may carry draft tokens).
+            served = self.speculative.record_step(
+                self.step, now_ns, output, host.requests, None
+            )
+        else:
+            served = self.demand.count_sampled(
+                output.num_scheduled_tokens, inflight_prefills(host), host.requests
+            )
         if not self.budget.spend_counts(served):
             self._logger.warning(
                 "A step dispatched more tokens than it reserved: %s", served
@@ -250,14 +309,16 @@ class OutputRatePolicy:
     ) -> tuple[Counter[str], Counter[str]]:
         """Split the tokens the hook charged into dispatched and not."""
         scheduled = output.num_scheduled_tokens
+        charges = self.speculative.charges if self.speculative else None
         served: Counter[str] = Counter()
         undispatched: Counter[str] = Counter()
         for request_id, request in self._charged.items():
+            count = charges[request_id] if charges is not None else 1
             if request_id in scheduled:
                 setattr(request, LAST_SERVED_ATTR, self.step)
-                served[user_of(request)] += 1
+                served[user_of(request)] += count
             else:
-                undispatched[user_of(request)] += 1
+                undispatched[user_of(request)] += count
         return served, undispatched
 
     def _settle(
@@ -265,17 +326,27 @@ class OutputRatePolicy:
         output: SchedulerOutput,
         served: Mapping[str, int],
         undispatched: Mapping[str, int],
+        now_ns: int,
     ) -> None:
         """The single refund point, plus bookkeeping for the next step."""
         host = self._host
-        now_ns = self.limiter.now_ns()
+        spec = self.speculative
         self._user_last_served.update(dict.fromkeys(served, self.step))
+        # What users received: with speculative decoding, known only for
+        # the steps reported since the last step.
+        received = served if spec is None else spec.delivered
         if self.dispatch_log:
-            self.dispatch_log.record(now_ns, served)
+            if spec is None:
+                self.dispatch_log.record(now_ns, served)
+            else:
+                for time_ns, user, count in spec.delivered_at:
+                    self.dispatch_log.record(time_ns, {user: count})
+        if spec is not None:
+            spec.note_grants(self.step, now_ns, self.budget.kept(undispatched))
         self._wakeup_ns = self.budget.settle(undispatched)
         self.stats.record_step(
             now_ns,
-            served,
+            received,
             undispatched,
             Counter(map(user_of, self.throttled)) if self.throttled else NOTHING,
         )
@@ -330,9 +401,34 @@ class OutputRatePolicy:
                 return 0
             self._active_in_step += 1
         if samples:
-            self.budget.spend(user)
+            count = 1
+            if self.speculative is not None:
+                num_new_tokens, count = self._fit_drafts(
+                    request,
+                    num_new_tokens - (end - num_computed_tokens),
+                    num_new_tokens,
+                    in_running_loop,
+                )
+                self.speculative.charges[request.request_id] = count
+            self.budget.spend(user, count)
             self._charged[request.request_id] = request
         return num_new_tokens
+
+    def _fit_drafts(
+        self, request: Request, num_drafts: int, num_new_tokens: int, running: bool
+    ) -> tuple[int, int]:
+        """Trim a sampling chunk's draft tokens to what its user's budget
+        covers; return the tokens to compute and the tokens to charge."""
+        spec = self.speculative
+        assert spec is not None
+        charge = spec.charge_for(request, num_drafts, running)
+        remaining = self.budget.remaining(user_of(request))
+        if charge > remaining:
+            # Keep remaining - 1 drafts: the chunk then emits at most
+            # `remaining` tokens (vLLM schedules the drafts that fit).
+            num_new_tokens -= num_drafts - (remaining - 1)
+            charge = spec.charge_for(request, remaining - 1, running)
+        return num_new_tokens, charge
 
     def _raise_admission_cap(self) -> None:
         """Let a resident request that is skipped in this step not count.

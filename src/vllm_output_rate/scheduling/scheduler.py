@@ -64,6 +64,10 @@ class OutputRateMixin(_Host):
             chunked_prefill=vllm_config.scheduler_config.enable_chunked_prefill,
             prefix_caching=vllm_config.cache_config.enable_prefix_caching,
             logger=logger,
+            num_spec_tokens=vllm_config.num_speculative_tokens,
+            # A step's output arrives after the next step was scheduled.
+            late_outputs=isinstance(self, AsyncScheduler)
+            or vllm_config.parallel_config.pipeline_parallel_size > 1,
         )
         # vLLM's own hook, bound once: the fast path's stand-in for ours.
         self.output_rate.stock_hook = super()._reserve_prefill_lookahead
