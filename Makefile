@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Everything ruff checks and formats (mypy's files are in pyproject.toml).
 CODE := src tests benchmarks
 
-.PHONY: demo test test-fast lint typecheck bench model clean
+.PHONY: demo test test-fast lint typecheck bench model clean vllm-next
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,8 @@ demo: $(STAMP)
 	$(PY) -m vllm_output_rate.demo.run
 
 test: lint typecheck
+	@# Best effort: without network the test of the next release skips.
+	-@$(MAKE) --no-print-directory $(NEXT_STAMP)
 	$(PY) -m pytest
 
 test-fast: $(STAMP)
@@ -41,6 +43,24 @@ typecheck: $(STAMP)
 # with the tests (tests/harness).
 bench: $(STAMP)
 	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks
+
+# The next vLLM release has no CPU build and cannot run here; its source
+# (the wheel's .py files, never imported) is checked against every seam in
+# seams.py, the same checks that run against the installed vLLM at start-up.
+VLLM_NEXT := 0.33.0
+NEXT_DIR := .cache/vllm-next
+NEXT_STAMP := $(NEXT_DIR)/.vllm-$(VLLM_NEXT)
+
+vllm-next: $(NEXT_STAMP)
+	$(PY) -m vllm_output_rate.seams $(NEXT_DIR)
+
+$(NEXT_STAMP): $(STAMP)
+	rm -rf $(NEXT_DIR) $(NEXT_DIR).wheel
+	$(PY) -m pip download --quiet --no-deps vllm==$(VLLM_NEXT) -d $(NEXT_DIR).wheel
+	$(PY) -m zipfile -e $(NEXT_DIR).wheel/vllm-$(VLLM_NEXT)-*.whl $(NEXT_DIR)
+	find $(NEXT_DIR) -type f ! -name '*.py' -delete
+	rm -rf $(NEXT_DIR).wheel
+	touch $(NEXT_STAMP)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -42,9 +42,11 @@ empty, every scheduled request sampled.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Collection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from vllm_output_rate.vllm_source import LiveSource, Source, StaticSource, vllm_imports
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -150,6 +152,99 @@ REQUEST_CLASSES: list[tuple[str, str]] = [
 ]
 BEAM_SEARCH_CLASSES = REQUEST_CLASSES[:2]
 
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+# Facts about vLLM's source the plugin relies on: (module, function, text
+# its source must contain, the fact).
+SOURCE_FACTS: list[tuple[str, str, str, str]] = [
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self.max_num_active_reqs",
+        "Scheduler.schedule reads max_num_active_reqs",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self._reserve_prefill_lookahead(",
+        "Scheduler.schedule calls self._reserve_prefill_lookahead",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self._update_after_schedule(",
+        "Scheduler.schedule calls self._update_after_schedule",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._update_after_schedule",
+        "request.is_prefill_chunk =",
+        "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._update_after_schedule",
+        "self._inflight_prefills.discard(",
+        "Scheduler._update_after_schedule drops finished prefills from "
+        "_inflight_prefills",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._free_request",
+        "self.finished_req_ids.add(",
+        "Scheduler._free_request records finished_req_ids",
+    ),
+    # Speculative decoding (scheduling/speculative.py).
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "] * self.num_spec_tokens",
+        "Scheduler.schedule pads a waiting request's drafts with -1, which "
+        "the rejection sampler always rejects",
+    ),
+    (
+        "vllm.v1.core.sched.async_scheduler",
+        "AsyncScheduler._update_after_schedule",
+        "request.num_output_placeholders += (",
+        "AsyncScheduler adds a sampling step's 1 + drafts to num_output_placeholders",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.update_from_output",
+        "request.num_output_placeholders -= num_rejected",
+        "Scheduler.update_from_output takes rejected drafts off "
+        "num_output_placeholders",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._preempt_request",
+        "request.num_stale_output_tokens = ",
+        "Scheduler._preempt_request marks in-flight output stale",
+    ),
+    *[
+        (
+            "vllm.v1.request",
+            "Request.__init__",
+            f"self.{name}",
+            f"Request keeps {name}",
+        )
+        for name in (
+            "num_output_placeholders",
+            "num_stale_output_tokens",
+            "drop_stale_output",
+            "spec_token_ids",
+        )
+    ],
+    # The idle wait (integration/engine_loop.py).
+    (
+        "vllm.v1.engine.core",
+        "EngineCore.__init__",
+        "self.batch_queue",
+        "EngineCore keeps its batches in flight in batch_queue",
+    ),
+]
+# Every `from vllm... import name` of this package must resolve.
+PACKAGE_DIR = Path(__file__).parent
+
 
 def resolve(module: str, path: str) -> Any:
     import importlib
@@ -160,75 +255,100 @@ def resolve(module: str, path: str) -> Any:
     return owner
 
 
-def verify_seams(*, api: bool = True) -> None:
-    """Raise SeamMovedError naming every internal that is gone or changed.
+def seam_problems(
+    source: Source,
+    *,
+    api: bool = True,
+    imports: bool = True,
+    also_imports_of: tuple[str | Path, ...] = (),
+) -> list[str]:
+    """Every internal this plugin relies on that ``source`` lacks or changed.
 
     ``api=False`` skips the OpenAI request classes (engine processes never
-    import the API server).
+    import the API server); ``imports=False`` skips checking that every vLLM
+    name this package imports exists (at start-up Python checks the ones
+    it needs as it imports them); ``also_imports_of`` adds folders whose
+    vLLM imports must resolve too (the tests).
     """
     problems = []
+    init = source.function(_SCHEDULER, "Scheduler.__init__")
+    for name in HOST_ATTRIBUTES:
+        # Assigned (perhaps annotated) in vLLM's Scheduler.__init__.
+        if init is None or not any(
+            f"self.{name}{end}" in init.source for end in (" =", ":")
+        ):
+            problems.append(f"no longer true: Scheduler keeps {name}")
     for module, path, params in EXPECTED_SIGNATURES:
-        try:
-            target = resolve(module, path)
-        except (ImportError, AttributeError):
+        function = source.function(module, path)
+        if function is None:
             problems.append(f"{module}.{path} no longer exists")
             continue
-        names = list(inspect.signature(inspect.unwrap(target)).parameters)
+        names = function.params
         if params not in (names[: len(params)], names[1 : len(params) + 1]):
             problems.append(f"{module}.{path}{tuple(names)} expected {params}")
     methods = [(cls, "to_sampling_params") for cls in REQUEST_CLASSES]
     methods += [(cls, "to_beam_search_params") for cls in BEAM_SEARCH_CLASSES]
     for (module, name), method in methods if api else []:
-        try:
-            resolve(module, f"{name}.{method}")
-        except (ImportError, AttributeError):
+        if source.function(module, f"{name}.{method}") is None:
             problems.append(f"{module}.{name}.{method} no longer exists")
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    schedule_source = inspect.getsource(Scheduler.schedule)
-    after_schedule_source = inspect.getsource(Scheduler._update_after_schedule)
-    source_facts = [
-        (
-            schedule_source,
-            "self.max_num_active_reqs",
-            "Scheduler.schedule reads max_num_active_reqs",
-        ),
-        (
-            schedule_source,
-            "self._reserve_prefill_lookahead(",
-            "Scheduler.schedule calls self._reserve_prefill_lookahead",
-        ),
-        (
-            schedule_source,
-            "self._update_after_schedule(",
-            "Scheduler.schedule calls self._update_after_schedule",
-        ),
-        (
-            after_schedule_source,
-            "request.is_prefill_chunk =",
-            "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
-        ),
-        (
-            after_schedule_source,
-            "self._inflight_prefills.discard(",
-            "Scheduler._update_after_schedule drops finished prefills from "
-            "_inflight_prefills",
-        ),
-        (
-            inspect.getsource(Scheduler.__init__),
-            "self._inflight_prefills",
-            "Scheduler keeps _inflight_prefills",
-        ),
-        (
-            inspect.getsource(Scheduler._free_request),
-            "self.finished_req_ids.add(",
-            "Scheduler._free_request records finished_req_ids",
-        ),
-    ]
-    for source, needle, fact in source_facts:
-        if needle not in source:
+    for module, path, needle, fact in SOURCE_FACTS:
+        function = source.function(module, path)
+        if function is None or needle not in function.source:
             problems.append(f"no longer true: {fact}")
+    for need in vllm_imports(PACKAGE_DIR, *also_imports_of) if imports else []:
+        if not any(
+            all(
+                source.defines(module, name) if name else source.has_module(module)
+                for module, name in option
+            )
+            for option in need.options
+        ):
+            problems.append(need.describe())
+    return problems
+
+
+def verify_seams(
+    *, api: bool = True, imports: bool = False, source: Source | None = None
+) -> None:
+    """Raise SeamMovedError naming every internal that is gone or changed
+    (in the installed vLLM unless ``source`` says otherwise)."""
+    problems = seam_problems(source or LiveSource(), api=api, imports=imports)
     if problems:
         raise SeamMovedError(
             "vllm-output-rate cannot hook into this vLLM: " + "; ".join(problems)
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_output_rate.seams [DIR]``: check the installed vLLM,
+    or the vLLM source tree in DIR (e.g. an unpacked wheel of a release
+    that cannot run here)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.seams")
+    parser.add_argument(
+        "vllm_source",
+        nargs="?",
+        help="folder holding the vllm package (default: installed)",
+    )
+    args = parser.parse_args(argv)
+    source = StaticSource(args.vllm_source) if args.vllm_source else LiveSource()
+    problems = seam_problems(source)
+    for problem in problems:
+        print(f"MOVED: {problem}")
+    checked = (
+        len(EXPECTED_SIGNATURES)
+        + len(SOURCE_FACTS)
+        + len(HOST_ATTRIBUTES)
+        + len(REQUEST_CLASSES)
+        + len(BEAM_SEARCH_CLASSES)
+    )
+    print(
+        f"{source.name}: {len(problems)} problem(s) in {checked} seams and "
+        f"{len(vllm_imports(PACKAGE_DIR))} imports"
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,7 +14,6 @@ from importlib.metadata import entry_points
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.exceptions import VLLMValidationError
 from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
@@ -29,6 +28,11 @@ from vllm_output_rate.integration.compat import (
 )
 from vllm_output_rate.integration.engine_setup import ASYNC_SCHEDULER, SYNC_SCHEDULER
 from vllm_output_rate.validation import OutputRateConfigError
+
+try:  # vLLM 0.33 moved it
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
 FLAG = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"
