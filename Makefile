@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Everything ruff checks and formats (mypy's files are in pyproject.toml).
 CODE := src tests benchmarks
 
-.PHONY: demo test test-fast lint typecheck bench model clean vllm-next
+.PHONY: demo test test-fast lint typecheck bench model dist clean vllm-next
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,5 +62,11 @@ $(NEXT_STAMP): $(STAMP)
 	rm -rf $(NEXT_DIR).wheel
 	touch $(NEXT_STAMP)
 
+# A wheel and an sdist in dist/ (the wheel is built from the sdist, so both
+# are checked); tests/test_packaging.py checks what they contain.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache dist

@@ -1,8 +1,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+# Property tests check behaviour, never speed: on these shared 2-core machines
+# one example can take longer than hypothesis' default 200 ms deadline.
+settings.register_profile("project", deadline=None)
+settings.load_profile("project")
 
 
 @pytest.fixture(scope="session")
