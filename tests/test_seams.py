@@ -33,6 +33,7 @@ OVERRIDDEN = {
     "__init__",
     "schedule",
     "add_request",
+    "update_from_output",
     "_reserve_prefill_lookahead",
     "_handle_blocked_waiting_request",
 }
@@ -163,11 +164,11 @@ def test_a_moved_seam_fails_the_static_check(tmp_path: Path) -> None:
     scheduler = tmp_path / "vllm/v1/core/sched/scheduler.py"
     text = scheduler.read_text()
     text = text.replace("def _reserve_prefill_lookahead(", "def _reserve_lookahead(")
-    text = text.replace("request.num_output_placeholders -= num_rejected", "pass")
+    text = text.replace("request.append_output_token_ids(", "request.extend(")
     scheduler.write_text(text)
     problems = seams_module.seam_problems(StaticSource(tmp_path), imports=False)
     assert any("_reserve_prefill_lookahead no longer exists" in p for p in problems)
-    assert any("rejected drafts off num_output_placeholders" in p for p in problems)
+    assert any("appends a step's tokens" in p for p in problems)
     with pytest.raises(seams_module.SeamMovedError, match="_reserve_prefill"):
         seams_module.verify_seams(source=StaticSource(tmp_path))
 

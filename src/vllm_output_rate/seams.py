@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
 # The hook the fast path swaps for vLLM's own for one step (an instance
@@ -85,6 +87,8 @@ class SchedulerHost:
     kv_cache_manager: KVCacheManager
     block_size: int
     hash_block_size: int
+    # Hybrid models: prefill chunks end on Mamba block boundaries.
+    need_mamba_block_aligned_split: bool
 
     # The methods the subclasses override (the bodies are vLLM's).
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -93,6 +97,11 @@ class SchedulerHost:
         raise NotImplementedError
 
     def add_request(self, request: Request) -> None: ...
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        raise NotImplementedError
 
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
@@ -139,6 +148,11 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ),
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ["self"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        ["self", "scheduler_output", "model_runner_output"],
+    ),
     (
         "vllm.v1.engine.core_client",
         "AsyncMPClient.call_utility_async",
@@ -202,38 +216,17 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
         "the rejection sampler always rejects",
     ),
     (
-        "vllm.v1.core.sched.async_scheduler",
-        "AsyncScheduler._update_after_schedule",
-        "request.num_output_placeholders += (",
-        "AsyncScheduler adds a sampling step's 1 + drafts to num_output_placeholders",
+        _SCHEDULER,
+        "Scheduler._update_request_with_output",
+        "request.append_output_token_ids(",
+        "update_from_output appends a step's tokens to the request's output",
     ),
     (
-        _SCHEDULER,
-        "Scheduler.update_from_output",
-        "request.num_output_placeholders -= num_rejected",
-        "Scheduler.update_from_output takes rejected drafts off "
-        "num_output_placeholders",
+        "vllm.v1.request",
+        "Request.num_output_tokens",
+        "len(self._output_token_ids)",
+        "Request.num_output_tokens counts the tokens of its output",
     ),
-    (
-        _SCHEDULER,
-        "Scheduler._preempt_request",
-        "request.num_stale_output_tokens = ",
-        "Scheduler._preempt_request marks in-flight output stale",
-    ),
-    *[
-        (
-            "vllm.v1.request",
-            "Request.__init__",
-            f"self.{name}",
-            f"Request keeps {name}",
-        )
-        for name in (
-            "num_output_placeholders",
-            "num_stale_output_tokens",
-            "drop_stale_output",
-            "spec_token_ids",
-        )
-    ],
     # The idle wait (integration/engine_loop.py).
     (
         "vllm.v1.engine.core",

@@ -56,6 +56,8 @@ class LiveSource:
             owner: Any = importlib.import_module(module)
             for part in path.split("."):
                 owner = getattr(owner, part)
+            if isinstance(owner, property) and owner.fget is not None:
+                owner = owner.fget
             target = inspect.unwrap(owner)
             params = list(inspect.signature(target).parameters)
             source = inspect.getsource(target)

@@ -17,20 +17,29 @@ model accepts some of the drafts a step verifies (``acceptance``; by default
 a seeded uniform draw), emitting the accepted drafts plus one token. Drafts
 vLLM pads with ``-1`` (a request just taken from the waiting queue) are
 always rejected, as vLLM's rejection sampler does.
+
+``hybrid=True`` adds a Mamba state group to the KV cache (vLLM's hybrid
+allocator, states cached at block boundaries: ``mamba_cache_mode="align"``);
+``encoder_budget`` gives the scheduler an encoder compute budget and cache,
+so that requests added with ``mm_placeholders`` carry synthetic multimodal
+inputs (the encoder itself is not run: only its scheduling is real).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -39,6 +48,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
 )
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -49,6 +59,9 @@ from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY
 from vllm_output_rate.limiter import OutputRateLimiter
 
 BLOCK_SIZE = 16
+# Hybrid models: vLLM makes attention and Mamba pages the same size, so
+# blocks are larger.
+HYBRID_BLOCK_SIZE = 64
 SAMPLED_TOKEN = 42  # any id that is not EOS
 
 
@@ -101,8 +114,12 @@ class SchedulerHarness:
     eos_at: dict[str, int] = field(default_factory=dict)
     # (dispatch time, user) of every token a request received
     received_at: list[tuple[int, str]] = field(default_factory=list)
+    # A request id for every encoder input scheduled (multimodal)
+    encoder_scheduled: list[str] = field(default_factory=list)
     steps: int = 0
     preemptions: int = 0
+    block_size: int = BLOCK_SIZE
+    schedule_ns: int = 0  # how long the latest schedule() took
     _pending: deque[_InFlight] = field(default_factory=deque)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -118,6 +135,8 @@ class SchedulerHarness:
         priority: int = 0,
         eos_at: int | None = None,
         extra_args: dict[str, Any] | None = None,
+        mm_placeholders: Sequence[tuple[int, int]] = (),
+        lora: int | None = None,
     ) -> Request:
         request_id = f"req-{next(self._ids)}"
         if prompt is None:
@@ -130,6 +149,15 @@ class SchedulerHarness:
             max_tokens=max_tokens, ignore_eos=eos_at is None, extra_args=extra_args
         )
         params.update_from_generation_config({}, self.eos_token_id)
+        features = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=f"{request_id}-image-{i}",
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for i, (offset, length) in enumerate(mm_placeholders)
+        ]
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -137,7 +165,9 @@ class SchedulerHarness:
             pooling_params=None,
             priority=priority,
             arrival_time=self.clock.now_ns / 1e9,
-            block_hasher=_block_hasher(),
+            block_hasher=_block_hasher(self.block_size),
+            mm_features=features or None,
+            lora_request=_lora(lora),
         )
         self.outputs[request_id] = []
         if eos_at is not None:
@@ -158,11 +188,15 @@ class SchedulerHarness:
     def step(self, advance_ns: int = 0) -> SchedulerOutput:
         """Advance the clock, schedule once, and feed back model output."""
         self.clock.advance(advance_ns)
+        started = time.perf_counter_ns()
         output = self.scheduler.schedule()
+        self.schedule_ns = time.perf_counter_ns() - started
         self.steps += 1
         self.preemptions += len(output.preempted_req_ids)
         sampling = set()
         spec = output.scheduled_spec_decode_tokens
+        for request_id, inputs in output.scheduled_encoder_inputs.items():
+            self.encoder_scheduled += [request_id] * len(inputs)
         padded = {r.req_id for r in output.scheduled_new_reqs}
         padded |= output.scheduled_cached_reqs.resumed_req_ids
         for request_id, num_tokens in output.num_scheduled_tokens.items():
@@ -296,16 +330,23 @@ class SchedulerHarness:
         ]
 
 
-_hasher: Callable[[Request], Any] | None = None
+_hashers: dict[int, Callable[[Request], Any]] = {}
 
 
-def _block_hasher() -> Callable[[Request], Any]:
-    global _hasher
-    if _hasher is None:
+def _block_hasher(block_size: int) -> Callable[[Request], Any]:
+    if block_size not in _hashers:
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
-        _hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-    return _hasher
+        _hashers[block_size] = get_request_block_hasher(block_size, hash_fn)
+    return _hashers[block_size]
+
+
+def _lora(lora_id: int | None) -> Any:
+    if lora_id is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"adapter-{lora_id}", lora_id, f"/adapters/{lora_id}")
 
 
 def make_scheduler(
@@ -325,6 +366,10 @@ def make_scheduler(
     clock: FakeClock | None = None,
     num_spec_tokens: int = 0,
     in_flight: int | None = None,
+    hybrid: bool = False,
+    encoder_budget: int = 0,
+    disable_chunked_mm_input: bool = False,
+    max_loras: int | None = None,
 ) -> SchedulerHarness:
     """A real vLLM scheduler on the tiny model's real engine configuration.
 
@@ -332,8 +377,10 @@ def make_scheduler(
     for stock vLLM. The scheduler class defaults to vLLM's own, or to ours
     when limits are given. ``num_spec_tokens`` turns on n-gram speculative
     decoding with that many draft tokens; ``in_flight`` is how many steps
-    stay in flight (default: 1 for async scheduling, else 0).
+    stay in flight (default: 1 for async scheduling, else 0). ``max_loras``
+    turns LoRA on (requests name an adapter with ``add(lora=...)``).
     """
+    block_size = HYBRID_BLOCK_SIZE if hybrid else BLOCK_SIZE
     additional_config = {ADDITIONAL_CONFIG_KEY: limits} if limits is not None else {}
     engine_args = EngineArgs(
         model=model_path,
@@ -346,7 +393,10 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         scheduling_policy=policy,
         long_prefill_token_threshold=long_prefill_token_threshold,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
+        disable_chunked_mm_input=disable_chunked_mm_input,
+        enable_lora=max_loras is not None,
+        max_loras=max_loras or 1,
         additional_config=additional_config,
         skip_tokenizer_init=True,
         speculative_config=(
@@ -362,17 +412,29 @@ def make_scheduler(
     )
     vllm_config = engine_args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
+    groups = [
+        KVCacheGroupSpec(
+            ["layer"],
+            FullAttentionSpec(
+                block_size, num_kv_heads=1, head_size=64, dtype=_float32()
+            ),
+        )
+    ]
+    if hybrid:
+        vllm_config.cache_config.mamba_cache_mode = "align"
+        groups.append(
             KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=_float32()
+                ["mamba"],
+                MambaSpec(
+                    block_size,
+                    shapes=((8,),),
+                    dtypes=(_float32(),),
+                    mamba_cache_mode="align",
                 ),
             )
-        ],
+        )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
     if scheduler_cls is None:
         scheduler_cls = _default_class(limits is not None, is_async)
@@ -380,9 +442,14 @@ def make_scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         log_stats=True,
     )
+    if encoder_budget:
+        # The tiny model has no encoder: give the scheduler the budget and
+        # cache a multimodal model's configuration would.
+        scheduler.max_num_encoder_input_tokens = encoder_budget
+        scheduler.encoder_cache_manager = EncoderCacheManager(encoder_budget)
     clock = clock or FakeClock(1_000_000_000)
     if limits is not None:
         scheduler.output_rate.use_limiter(
@@ -399,6 +466,7 @@ def make_scheduler(
         is_async=is_async,
         in_flight=(1 if is_async else 0) if in_flight is None else in_flight,
         num_spec_tokens=num_spec_tokens,
+        block_size=block_size,
     )
 
 

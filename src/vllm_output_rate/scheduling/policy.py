@@ -99,6 +99,9 @@ class OutputRatePolicy:
         logger: logging.Logger,
         num_spec_tokens: int = 0,
         late_outputs: bool = False,
+        mamba_block_size: int | None = None,
+        split_mm_inputs: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         self.settings = settings
         self._host = host
@@ -107,6 +110,14 @@ class OutputRatePolicy:
         self.active_cap = host.max_num_active_reqs
         self._chunked_prefill = chunked_prefill
         self._prefix_caching = prefix_caching
+        # Where a prefill held back short of sampling may stop (see
+        # _hold_back_end): hybrid models whose Mamba state is cached at
+        # block boundaries, and multimodal inputs that must not be split.
+        self._mamba_block_size = mamba_block_size
+        self._split_mm_inputs = split_mm_inputs
+        # LoRA: the adapters of the resident requests, once per step.
+        self._max_loras = max_loras
+        self._resident_loras: tuple[int, set[int]] = (-1, set())
         # Speculative decoding's accounts (None without it). `late_outputs`:
         # a step's output can arrive after the next step was scheduled.
         self.speculative = (
@@ -141,7 +152,8 @@ class OutputRatePolicy:
     def use_limiter(self, limiter: OutputRateLimiter) -> None:
         """Account against ``limiter`` from the next step on."""
         self.limiter = limiter
-        per_request = self.speculative.tokens_per_request if self.speculative else 1
+        spec = self.speculative
+        per_request = spec.tokens_per_request if spec is not None else 1
         self.budget = StepBudget(limiter, self._host.max_num_running_reqs * per_request)
 
     # ----- requests -----------------------------------------------------
@@ -207,11 +219,13 @@ class OutputRatePolicy:
         else:
             served, undispatched = self._sort_charged(output)
             if self.speculative is not None:
+                host = self._host
                 self.speculative.record_step(
                     self.step,
                     now_ns,
                     output,
-                    self._host.requests,
+                    host.requests,
+                    inflight_prefills(host),
                     self.speculative.charges,
                 )
         self._settle(output, served, undispatched, now_ns)
@@ -220,8 +234,8 @@ class OutputRatePolicy:
         """Speculative decoding: return the tokens charged for reported steps
         that their users did not receive (before this step's reservation)."""
         limiter = self.limiter
-        for user, refund in spec.resolve().items():
-            limiter.refund_late(user, refund.count, refund.later_takes)
+        for refund in spec.refunds():
+            limiter.refund_late(refund.user, refund.count, refund.later_takes)
         if spec.undercharged:
             self._logger.warning(
                 "Users received more tokens than they were charged: %s",
@@ -292,7 +306,7 @@ class OutputRatePolicy:
         if self.speculative is not None:
             # The most each chunk can emit (it may carry draft tokens).
             served = self.speculative.record_step(
-                self.step, now_ns, output, host.requests, None
+                self.step, now_ns, output, host.requests, inflight_prefills(host), None
             )
         else:
             served = self.demand.count_sampled(
@@ -309,7 +323,8 @@ class OutputRatePolicy:
     ) -> tuple[Counter[str], Counter[str]]:
         """Split the tokens the hook charged into dispatched and not."""
         scheduled = output.num_scheduled_tokens
-        charges = self.speculative.charges if self.speculative else None
+        spec = self.speculative
+        charges = spec.charges if spec is not None else None
         served: Counter[str] = Counter()
         undispatched: Counter[str] = Counter()
         for request_id, request in self._charged.items():
@@ -339,9 +354,9 @@ class OutputRatePolicy:
             if spec is None:
                 self.dispatch_log.record(now_ns, served)
             else:
-                for time_ns, user, count in spec.delivered_at:
-                    self.dispatch_log.record(time_ns, {user: count})
-        if spec is not None:
+                for time_ns, received in spec.delivered_at:
+                    self.dispatch_log.record(time_ns, received)
+        if spec is not None and spec.wants_grants:
             spec.note_grants(self.step, now_ns, self.budget.kept(undispatched))
         self._wakeup_ns = self.budget.settle(undispatched)
         self.stats.record_step(
@@ -382,7 +397,7 @@ class OutputRatePolicy:
         )
         if samples and not self.budget.has_budget(user):
             # No budget: compute the prompt up to the sampling position only.
-            held_back = end - 1 - num_computed_tokens
+            held_back = self._hold_back_end(request, end) - num_computed_tokens
             if not (self._chunked_prefill and held_back > 0):
                 if in_running_loop:
                     # Skipped: it keeps its KV blocks and worker slot but
@@ -444,6 +459,8 @@ class OutputRatePolicy:
 
     def admit_waiting(self, request: Request) -> bool:
         """Whether vLLM may try to admit this waiting request now."""
+        if self._max_loras is not None and not self._adapter_fits(request):
+            return False
         if self.budget.has_budget(user_of(request)):
             return True
         # The user has no budget, so this request could at most prefill up to
@@ -461,24 +478,78 @@ class OutputRatePolicy:
             or self._blocks_for(request.num_tokens) > self._num_free_kv_blocks()
         )
 
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether admitting ``request`` keeps the resident requests within
+        ``--max-loras`` adapters.
+
+        vLLM 0.32 checks ``--max-loras`` against the adapters of the
+        requests scheduled in the step; a throttled resident is not, so a
+        request of another adapter could be admitted beside it, and the
+        next step scheduling both would exceed the limit (vLLM asserts and
+        the engine dies). This counts every resident request, as vLLM 0.33
+        does itself.
+        """
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id <= 0:
+            return True
+        step, resident = self._resident_loras
+        if step != self.step:
+            resident = {
+                r.lora_request.lora_int_id
+                for r in self._host.running
+                if r.lora_request is not None and r.lora_request.lora_int_id > 0
+            }
+            self._resident_loras = (self.step, resident)
+        assert self._max_loras is not None
+        if lora.lora_int_id in resident or len(resident) < self._max_loras:
+            resident.add(lora.lora_int_id)  # it may be admitted now
+            return True
+        return False
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._host.block_size)
 
     def _num_free_kv_blocks(self) -> int:
         return int(self._host.kv_cache_manager.block_pool.get_num_free_blocks())
 
+    def _hold_back_end(self, request: Request, end: int) -> int:
+        """The furthest position a prefill can stop at without sampling.
+
+        One short of ``end`` (the sampling position), except: with a hybrid
+        model whose Mamba state is cached at block boundaries, chunks must
+        end on a boundary (vLLM's invariant: the state slot of block p holds
+        the state after exactly (p + 1) x block_size tokens); and with
+        chunked multimodal input disabled, none when the sampling position
+        is inside a placeholder.
+        """
+        stop: int = end - 1
+        if self._mamba_block_size:
+            stop -= stop % self._mamba_block_size
+        if not self._split_mm_inputs:
+            for feature in request.mm_features:
+                position = feature.mm_position
+                if position.offset < stop < position.offset + position.length:
+                    # Stopping before the placeholder would leave the
+                    # encoder run vLLM planned for this chunk unused (and
+                    # its output pinned in the encoder cache): no stop.
+                    return 0
+        return stop
+
     def _may_only_run_by_sampling(self, request: Request) -> bool:
         if not self._chunked_prefill:
             return True  # the whole prompt runs at once and samples
-        if request.num_tokens - request.num_computed_tokens <= 1:
+        stop = self._hold_back_end(request, request.num_tokens)
+        if stop <= request.num_computed_tokens:
             return True
         # A prefix-cache hit stops at a block boundary and at most one token
-        # before the end; when that boundary is the last token, only the
+        # before the end; when it can reach the furthest stop, only the
         # sampling position is left to compute.
+        block = self._host.hash_block_size
+        longest_hit = (request.num_tokens - 1) // block * block
         return bool(
             self._prefix_caching
             and request.num_computed_tokens == 0
-            and (request.num_tokens - 1) % self._host.hash_block_size == 0
+            and longest_hit >= stop
         )
 
     # ----- for the engine loop, operators and observers -------------------
