@@ -6,9 +6,12 @@ overrides (with the parameters it relies on), the facts about vLLM's source
 it relies on, and the scheduler attributes it reads and writes
 (``SchedulerHost``). ``verify_seams()`` runs when the plugin loads and in the
 tests, and ``check_host()`` when our scheduler starts, so a vLLM upgrade that
-moves one fails loudly instead of silently turning limiting off. This module
-imports vLLM only inside those checks; the scheduling policy and the
-integration both import it, and it imports neither.
+moves one fails loudly instead of silently turning limiting off. The same
+lists are checked against a vLLM source tree that is never imported
+(``python -m vllm_output_rate.seams DIR``, ``make vllm-next``: a release
+that cannot run here). This module imports vLLM only inside those checks;
+the scheduling policy and the integration both import it, and it imports
+neither.
 
 Wrapped by the plugin (``integration/plugin.py``), in the process where vLLM
 calls them:
@@ -25,8 +28,11 @@ calls them:
   malformed ``output_rate_user`` and for beam search.
 
 Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
-``schedule``, ``add_request`` and the private ``_reserve_prefill_lookahead``
-and ``_handle_blocked_waiting_request``; the attribute
+``schedule``, ``add_request``, ``update_from_output`` (speculative decoding:
+what each request of the reported step received, from
+``Request._output_token_ids``; never a limiter call) and the private
+``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``; the
+attribute
 ``max_num_active_reqs`` is read by vLLM's waiting loop. The fast path (no
 limit binds) relies on two more facts: ``schedule()`` looks the hook up on
 ``self`` at each call (so an instance attribute can stand in for the
@@ -37,7 +43,10 @@ step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
 ``_free_request``, read before ``schedule()`` clears it), with a recount
 whenever it disagrees with ``Scheduler.requests``; and when vLLM's
 ``_inflight_prefills`` (requests whose prefill continues after this step) is
-empty, every scheduled request sampled.
+empty, every scheduled request sampled. Engine modes: a waiting request's
+draft positions are ``-1`` padding (charged one token); hybrid models align
+prefill chunks to Mamba blocks (``need_mamba_block_aligned_split``); the
+idle wait is skipped while ``EngineCore.batch_queue`` holds batches.
 """
 
 from __future__ import annotations

@@ -370,6 +370,7 @@ def make_scheduler(
     encoder_budget: int = 0,
     disable_chunked_mm_input: bool = False,
     max_loras: int | None = None,
+    kv_connector: str | None = None,
 ) -> SchedulerHarness:
     """A real vLLM scheduler on the tiny model's real engine configuration.
 
@@ -378,7 +379,10 @@ def make_scheduler(
     when limits are given. ``num_spec_tokens`` turns on n-gram speculative
     decoding with that many draft tokens; ``in_flight`` is how many steps
     stay in flight (default: 1 for async scheduling, else 0). ``max_loras``
-    turns LoRA on (requests name an adapter with ``add(lora=...)``).
+    turns LoRA on (requests name an adapter with ``add(lora=...)``);
+    ``kv_connector`` names a KV connector whose scheduler side runs for real
+    (e.g. ``DecodeBenchConnector``: a P/D decode instance that receives every
+    prompt token's KV but the last one's).
     """
     block_size = HYBRID_BLOCK_SIZE if hybrid else BLOCK_SIZE
     additional_config = {ADDITIONAL_CONFIG_KEY: limits} if limits is not None else {}
@@ -397,6 +401,11 @@ def make_scheduler(
         disable_chunked_mm_input=disable_chunked_mm_input,
         enable_lora=max_loras is not None,
         max_loras=max_loras or 1,
+        kv_transfer_config=(
+            {"kv_connector": kv_connector, "kv_role": "kv_both"}
+            if kv_connector
+            else None
+        ),
         additional_config=additional_config,
         skip_tokenizer_init=True,
         speculative_config=(

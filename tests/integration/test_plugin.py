@@ -160,12 +160,11 @@ def test_a_foreign_scheduler_class_is_refused(parser, tiny_model_path: str) -> N
             lambda c: setattr(c.parallel_config, "data_parallel_size", 2),
             "data-parallel",
         ),
+        (lambda c: setattr(c, "ec_transfer_config", object()), "EC connectors"),
         (
-            lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
-            "pipeline-parallel",
+            lambda c: setattr(c.scheduler_config, "prefill_schedule_interval", 4),
+            "--prefill-schedule-interval 4",
         ),
-        (lambda c: setattr(c, "kv_transfer_config", object()), "KV connectors"),
-        (lambda c: setattr(c.cache_config, "kv_offloading_size", 4.0), "offloading"),
     ],
 )
 def test_unsupported_engine_options_are_refused(
@@ -176,6 +175,39 @@ def test_unsupported_engine_options_are_refused(
     change(config)
     with pytest.raises(OutputRateConfigError, match=message):
         check_supported_config(config)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # n-gram speculative decoding needs no draft model.
+        [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+        ],
+        ["--enable-lora", "--max-loras", "2"],
+        [
+            "--kv-transfer-config",
+            '{"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}',
+        ],
+    ],
+    ids=["speculative", "lora", "kv-connector"],
+)
+def test_lifted_engine_modes_are_accepted(
+    parser, tiny_model_path: str, argv: list[str]
+) -> None:
+    config = engine_config(parser, tiny_model_path, FLAG, "50", *argv)
+    assert config.scheduler_config.scheduler_cls == SYNC_SCHEDULER
+
+
+def test_pipeline_parallelism_and_kv_offloading_are_accepted(
+    parser, tiny_model_path: str
+) -> None:
+    config = engine_config(parser, tiny_model_path, FLAG, "50")
+    config.parallel_config.pipeline_parallel_size = 2
+    config.cache_config.kv_offloading_size = 4.0
+    check_supported_config(config)
 
 
 def test_unsupported_vllm_versions_are_refused() -> None:

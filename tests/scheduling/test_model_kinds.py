@@ -258,3 +258,30 @@ def test_batches_in_flight_keep_the_bound_and_the_accounts(
         assert_bound(h.sampled_at(user), rate)
     # The fast user is not held up by the throttled ones.
     assert all(len(h.outputs[r]) == 80 for r, u in h.users.items() if u == "c")
+
+
+# ----- KV connectors: a prefill/decode-disaggregated decode instance -------------
+
+
+def test_a_decode_instance_charges_what_it_samples_and_blocks_nobody(
+    limited,
+) -> None:
+    # DecodeBenchConnector's scheduler side, for real: every request arrives
+    # with its prompt's KV computed elsewhere but the last token, as on the
+    # decode instance of a P/D pair. Its first chunk samples: a throttled
+    # user's request is left queued (vLLM 0.32 would stop its scan at it)
+    # and the requests behind it are admitted.
+    h = limited(4, {"b": 1000}, kv_connector="DecodeBenchConnector")
+    throttled = [h.add("a", prompt_len=300, max_tokens=6) for _ in range(3)]
+    h.step(1 * MS)
+    behind = [h.add("b", prompt_len=300, max_tokens=6) for _ in range(3)]
+    for _ in range(12):
+        h.step(2 * MS)
+    for request in behind:
+        assert len(h.outputs[request.request_id]) == 6
+        # Only the last prompt token and the decode steps ran here.
+        assert chunks(h, request.request_id)[0] == (1, True)
+    h.run_until_done(20 * MS)
+    for request in throttled:
+        assert len(h.outputs[request.request_id]) == 6
+    assert_bound(h.sampled_at("a"), 4)

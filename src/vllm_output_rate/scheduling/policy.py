@@ -102,6 +102,7 @@ class OutputRatePolicy:
         mamba_block_size: int | None = None,
         split_mm_inputs: bool = True,
         max_loras: int | None = None,
+        external_kv: bool = False,
     ) -> None:
         self.settings = settings
         self._host = host
@@ -115,6 +116,9 @@ class OutputRatePolicy:
         # block boundaries, and multimodal inputs that must not be split.
         self._mamba_block_size = mamba_block_size
         self._split_mm_inputs = split_mm_inputs
+        # A KV connector (offloading, P/D): a new request's KV may come from
+        # outside, up to its last token, found only when vLLM admits it.
+        self._external_kv = external_kv
         # LoRA: the adapters of the resident requests, once per step.
         self._max_loras = max_loras
         self._resident_loras: tuple[int, set[int]] = (-1, set())
@@ -540,6 +544,10 @@ class OutputRatePolicy:
             return True  # the whole prompt runs at once and samples
         stop = self._hold_back_end(request, request.num_tokens)
         if stop <= request.num_computed_tokens:
+            return True
+        if self._external_kv and request.num_computed_tokens == 0:
+            # The connector's hit may reach the last token (a P/D decode
+            # instance loads every prompt token but that one).
             return True
         # A prefix-cache hit stops at a block boundary and at most one token
         # before the end; when it can reach the furthest stop, only the

@@ -81,6 +81,7 @@ class OutputRateMixin(_Host):
             max_loras=(
                 vllm_config.lora_config.max_loras if vllm_config.lora_config else None
             ),
+            external_kv=vllm_config.kv_transfer_config is not None,
         )
         # vLLM's own hook, bound once: the fast path's stand-in for ours.
         self.output_rate.stock_hook = super()._reserve_prefill_lookahead
