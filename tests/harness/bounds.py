@@ -1,4 +1,4 @@
-"""The specification's bound, checked exactly over every window."""
+"""The specification's rate bound, checked exactly over dispatch times."""
 
 from __future__ import annotations
 

@@ -89,3 +89,21 @@ for _name, _value in vars(OutputRateLimiter).items():
         and callable(_value)
     ):
         setattr(CountingLimiter, _name, _counted(_name))
+
+
+def watch_updates(harness: Any) -> list[bool]:
+    """Wrap the harness scheduler's ``update_from_output``; the returned list
+    gets, per call, whether the call left the CountingLimiter untouched (no
+    method called, no charge changed)."""
+    limiter = harness.scheduler.output_rate.limiter
+    untouched: list[bool] = []
+    original = harness.scheduler.update_from_output
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        before = sum(limiter.calls.values()), +limiter.net
+        result = original(*args, **kwargs)
+        untouched.append(before == (sum(limiter.calls.values()), +limiter.net))
+        return result
+
+    harness.scheduler.update_from_output = watched
+    return untouched

@@ -5,7 +5,7 @@ A throttled request is held back short of its sampling position or skipped;
 these tests check that neither breaks what each mode relies on: Mamba state
 cached at block boundaries, multimodal placeholders and encoder runs,
 ``--max-loras``, and several batches in flight. The accounting invariant is
-checked after every test, as in test_scheduler.py (``limited``).
+checked after every test (``limited``, conftest.py).
 """
 
 from __future__ import annotations
@@ -14,39 +14,8 @@ from collections import Counter
 
 import pytest
 
-from harness.bounds import assert_bound
-from harness.counting_limiter import CountingLimiter
+from harness.bounds import MS, assert_bound
 from harness.scheduler_sim import HYBRID_BLOCK_SIZE, SchedulerHarness, make_scheduler
-
-MS = 1_000_000
-
-
-@pytest.fixture(params=[False, True], ids=["sync", "async"])
-def is_async(request: pytest.FixtureRequest) -> bool:
-    return request.param
-
-
-@pytest.fixture
-def limited(tiny_model_path: str, is_async: bool):
-    made: list[SchedulerHarness] = []
-
-    def make(default: float, users: dict[str, float] | None = None, **kwargs):
-        limits = {"default_user_output_tokens_per_second": default}
-        if users:
-            limits["user_output_tokens_per_second"] = users
-        kwargs.setdefault("is_async", is_async)
-        harness = make_scheduler(tiny_model_path, limits=limits, **kwargs)
-        harness.scheduler.output_rate.use_limiter(
-            CountingLimiter(default, users, clock=harness.clock)
-        )
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.drain()
-        dispatched = Counter(d.user for d in harness.dispatches if d.samples)
-        assert +harness.scheduler.output_rate.limiter.net == +dispatched
 
 
 def chunks(h: SchedulerHarness, request_id: str) -> list[tuple[int, bool]]:

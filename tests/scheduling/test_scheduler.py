@@ -1,10 +1,8 @@
 """The rate-limiting scheduler on vLLM's real scheduler and KV cache manager.
 
 Every test runs for synchronous and asynchronous scheduling, with a fake clock
-driving the limiter. After every test, the accounting invariant is checked:
-for each user, the tokens the limiter holds as spent equal the sampling steps
-the scheduler dispatched (charged at dispatch, refunded when not dispatched,
-never charged twice).
+driving the limiter; the ``limited`` fixture (conftest.py) checks the
+accounting invariant after each test.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from collections import Counter
 
 import pytest
 
-from harness.bounds import assert_bound
-from harness.counting_limiter import CountingLimiter
+from harness.bounds import MS, S, assert_bound
+from harness.counting_limiter import watch_updates
 from harness.scheduler_sim import (
     FakeClock,
     SchedulerHarness,
@@ -23,41 +21,6 @@ from harness.scheduler_sim import (
 )
 from vllm_output_rate.scheduling.demand import USER_ATTR
 from vllm_output_rate.scheduling.scheduler import OutputRateMixin
-
-MS = 1_000_000
-S = 1_000_000_000
-
-
-@pytest.fixture(params=[False, True], ids=["sync", "async"])
-def is_async(request: pytest.FixtureRequest) -> bool:
-    return request.param
-
-
-@pytest.fixture
-def limited(tiny_model_path: str, is_async: bool):
-    """Factory for a limited scheduler; checks the accounting afterwards."""
-    made: list[SchedulerHarness] = []
-
-    def make(default: float, users: dict[str, float] | None = None, **kwargs):
-        limits = {"default_user_output_tokens_per_second": default}
-        if users:
-            limits["user_output_tokens_per_second"] = users
-        harness = make_scheduler(
-            tiny_model_path, limits=limits, is_async=is_async, **kwargs
-        )
-        harness.scheduler.output_rate.use_limiter(
-            CountingLimiter(default, users, clock=harness.clock)
-        )
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.drain()
-        limiter = harness.scheduler.output_rate.limiter
-        dispatched = Counter(d.user for d in harness.dispatches if d.samples)
-        assert +limiter.net == +dispatched
-
 
 # ----- semantics 1-4 ------------------------------------------------------
 
@@ -506,19 +469,9 @@ def test_update_from_output_never_touches_the_limiter(limited) -> None:
     h = limited(10)
     for _ in range(3):
         h.add("a", max_tokens=20)
-    limiter = h.scheduler.output_rate.limiter
-    calls = []
-    original = h.scheduler.update_from_output
-
-    def watched(*args, **kwargs):
-        before = sum(limiter.calls.values()), +limiter.net
-        result = original(*args, **kwargs)
-        calls.append(before == (sum(limiter.calls.values()), +limiter.net))
-        return result
-
-    h.scheduler.update_from_output = watched
+    untouched = watch_updates(h)
     h.run_until_done(20 * MS)
-    assert calls and all(calls)
+    assert untouched and all(untouched)
 
 
 def test_a_cancelled_step_is_not_refunded(limited) -> None:

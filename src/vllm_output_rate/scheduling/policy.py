@@ -36,7 +36,13 @@ With speculative decoding a sampling chunk is charged the most it can emit
 (one token plus its drafts, which are trimmed first to the user's budget),
 each user's reservation is sized to that, and the tokens the user did not
 receive (rejected drafts, a stop, an abort) go back at the start of a later
-step, before its reservation (``speculative.py``).
+step, before its reservation (``speculative.py``). What hybrid, multimodal,
+KV-connector and LoRA engines ask of the hold-back and of admission is in
+``engine_modes.py``.
+
+Over 400 lines because it is the one place that holds a step's decisions and
+state; every rule that can stand alone (budgets, demand, ordering, engine
+modes, speculative accounts, statistics) is in its own module.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +75,7 @@ from vllm_output_rate.scheduling.demand import (
     user_of,
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
+from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
 from vllm_output_rate.scheduling.speculative import SpeculativeLedger
@@ -99,10 +107,7 @@ class OutputRatePolicy:
         logger: logging.Logger,
         num_spec_tokens: int = 0,
         late_outputs: bool = False,
-        mamba_block_size: int | None = None,
-        split_mm_inputs: bool = True,
-        max_loras: int | None = None,
-        external_kv: bool = False,
+        modes: EngineModes | None = None,
     ) -> None:
         self.settings = settings
         self._host = host
@@ -110,18 +115,14 @@ class OutputRatePolicy:
         # --max-num-active-seqs; vLLM's own attribute is raised per step.
         self.active_cap = host.max_num_active_reqs
         self._chunked_prefill = chunked_prefill
-        self._prefix_caching = prefix_caching
-        # Where a prefill held back short of sampling may stop (see
-        # _hold_back_end): hybrid models whose Mamba state is cached at
-        # block boundaries, and multimodal inputs that must not be split.
-        self._mamba_block_size = mamba_block_size
-        self._split_mm_inputs = split_mm_inputs
-        # A KV connector (offloading, P/D): a new request's KV may come from
-        # outside, up to its last token, found only when vLLM admits it.
-        self._external_kv = external_kv
-        # LoRA: the adapters of the resident requests, once per step.
-        self._max_loras = max_loras
-        self._resident_loras: tuple[int, set[int]] = (-1, set())
+        # Where a held-back prefill may stop, what may be admitted while
+        # throttled, --max-loras (hybrid, multimodal, KV connectors, LoRA).
+        self.modes = replace(
+            modes or EngineModes(),
+            chunked_prefill=chunked_prefill,
+            prefix_caching=prefix_caching,
+            hash_block_size=host.hash_block_size,
+        )
         # Speculative decoding's accounts (None without it). `late_outputs`:
         # a step's output can arrive after the next step was scheduled.
         self.speculative = (
@@ -358,8 +359,8 @@ class OutputRatePolicy:
             if spec is None:
                 self.dispatch_log.record(now_ns, served)
             else:
-                for time_ns, received in spec.delivered_at:
-                    self.dispatch_log.record(time_ns, received)
+                for time_ns, tokens in spec.delivered_at:
+                    self.dispatch_log.record(time_ns, tokens)
         if spec is not None and spec.wants_grants:
             spec.note_grants(self.step, now_ns, self.budget.kept(undispatched))
         self._wakeup_ns = self.budget.settle(undispatched)
@@ -401,7 +402,7 @@ class OutputRatePolicy:
         )
         if samples and not self.budget.has_budget(user):
             # No budget: compute the prompt up to the sampling position only.
-            held_back = self._hold_back_end(request, end) - num_computed_tokens
+            held_back = self.modes.hold_back_end(request, end) - num_computed_tokens
             if not (self._chunked_prefill and held_back > 0):
                 if in_running_loop:
                     # Skipped: it keeps its KV blocks and worker slot but
@@ -422,32 +423,18 @@ class OutputRatePolicy:
         if samples:
             count = 1
             if self.speculative is not None:
-                num_new_tokens, count = self._fit_drafts(
+                # The most it can emit: one token plus its drafts, which are
+                # trimmed first to what the user's budget covers.
+                num_new_tokens, count = self.speculative.fit_drafts(
                     request,
                     num_new_tokens - (end - num_computed_tokens),
                     num_new_tokens,
                     in_running_loop,
+                    self.budget.remaining(user),
                 )
-                self.speculative.charges[request.request_id] = count
             self.budget.spend(user, count)
             self._charged[request.request_id] = request
         return num_new_tokens
-
-    def _fit_drafts(
-        self, request: Request, num_drafts: int, num_new_tokens: int, running: bool
-    ) -> tuple[int, int]:
-        """Trim a sampling chunk's draft tokens to what its user's budget
-        covers; return the tokens to compute and the tokens to charge."""
-        spec = self.speculative
-        assert spec is not None
-        charge = spec.charge_for(request, num_drafts, running)
-        remaining = self.budget.remaining(user_of(request))
-        if charge > remaining:
-            # Keep remaining - 1 drafts: the chunk then emits at most
-            # `remaining` tokens (vLLM schedules the drafts that fit).
-            num_new_tokens -= num_drafts - (remaining - 1)
-            charge = spec.charge_for(request, remaining - 1, running)
-        return num_new_tokens, charge
 
     def _raise_admission_cap(self) -> None:
         """Let a resident request that is skipped in this step not count.
@@ -463,7 +450,7 @@ class OutputRatePolicy:
 
     def admit_waiting(self, request: Request) -> bool:
         """Whether vLLM may try to admit this waiting request now."""
-        if self._max_loras is not None and not self._adapter_fits(request):
+        if not self.modes.adapter_fits(request, self.step, self._host.running):
             return False
         if self.budget.has_budget(user_of(request)):
             return True
@@ -477,88 +464,16 @@ class OutputRatePolicy:
         # - its prompt does not fit in the free KV blocks (vLLM ends the scan
         #   at a failed allocation).
         return not (
-            self._may_only_run_by_sampling(request)
+            self.modes.may_only_run_by_sampling(request)
             or request.status == RequestStatus.PREEMPTED
             or self._blocks_for(request.num_tokens) > self._num_free_kv_blocks()
         )
-
-    def _adapter_fits(self, request: Request) -> bool:
-        """Whether admitting ``request`` keeps the resident requests within
-        ``--max-loras`` adapters.
-
-        vLLM 0.32 checks ``--max-loras`` against the adapters of the
-        requests scheduled in the step; a throttled resident is not, so a
-        request of another adapter could be admitted beside it, and the
-        next step scheduling both would exceed the limit (vLLM asserts and
-        the engine dies). This counts every resident request, as vLLM 0.33
-        does itself.
-        """
-        lora = request.lora_request
-        if lora is None or lora.lora_int_id <= 0:
-            return True
-        step, resident = self._resident_loras
-        if step != self.step:
-            resident = {
-                r.lora_request.lora_int_id
-                for r in self._host.running
-                if r.lora_request is not None and r.lora_request.lora_int_id > 0
-            }
-            self._resident_loras = (self.step, resident)
-        assert self._max_loras is not None
-        if lora.lora_int_id in resident or len(resident) < self._max_loras:
-            resident.add(lora.lora_int_id)  # it may be admitted now
-            return True
-        return False
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._host.block_size)
 
     def _num_free_kv_blocks(self) -> int:
         return int(self._host.kv_cache_manager.block_pool.get_num_free_blocks())
-
-    def _hold_back_end(self, request: Request, end: int) -> int:
-        """The furthest position a prefill can stop at without sampling.
-
-        One short of ``end`` (the sampling position), except: with a hybrid
-        model whose Mamba state is cached at block boundaries, chunks must
-        end on a boundary (vLLM's invariant: the state slot of block p holds
-        the state after exactly (p + 1) x block_size tokens); and with
-        chunked multimodal input disabled, none when the sampling position
-        is inside a placeholder.
-        """
-        stop: int = end - 1
-        if self._mamba_block_size:
-            stop -= stop % self._mamba_block_size
-        if not self._split_mm_inputs:
-            for feature in request.mm_features:
-                position = feature.mm_position
-                if position.offset < stop < position.offset + position.length:
-                    # Stopping before the placeholder would leave the
-                    # encoder run vLLM planned for this chunk unused (and
-                    # its output pinned in the encoder cache): no stop.
-                    return 0
-        return stop
-
-    def _may_only_run_by_sampling(self, request: Request) -> bool:
-        if not self._chunked_prefill:
-            return True  # the whole prompt runs at once and samples
-        stop = self._hold_back_end(request, request.num_tokens)
-        if stop <= request.num_computed_tokens:
-            return True
-        if self._external_kv and request.num_computed_tokens == 0:
-            # The connector's hit may reach the last token (a P/D decode
-            # instance loads every prompt token but that one).
-            return True
-        # A prefix-cache hit stops at a block boundary and at most one token
-        # before the end; when it can reach the furthest stop, only the
-        # sampling position is left to compute.
-        block = self._host.hash_block_size
-        longest_hit = (request.num_tokens - 1) // block * block
-        return bool(
-            self._prefix_caching
-            and request.num_computed_tokens == 0
-            and longest_hit >= stop
-        )
 
     # ----- for the engine loop, operators and observers -------------------
 

@@ -33,6 +33,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from vllm_output_rate.config import OutputRateSettings
+from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
 from vllm_output_rate.seams import HOOK, check_host
 from vllm_output_rate.validation import OutputRateConfigError
@@ -72,16 +73,22 @@ class OutputRateMixin(_Host):
             # A step's output arrives after the next step was scheduled.
             late_outputs=isinstance(self, AsyncScheduler)
             or vllm_config.parallel_config.pipeline_parallel_size > 1,
-            mamba_block_size=(
-                vllm_config.cache_config.block_size
-                if self.need_mamba_block_aligned_split
-                else None
+            modes=EngineModes(
+                mamba_block_size=(
+                    vllm_config.cache_config.block_size
+                    if self.need_mamba_block_aligned_split
+                    else None
+                ),
+                split_mm_inputs=(
+                    not vllm_config.scheduler_config.disable_chunked_mm_input
+                ),
+                external_kv=vllm_config.kv_transfer_config is not None,
+                max_loras=(
+                    vllm_config.lora_config.max_loras
+                    if vllm_config.lora_config
+                    else None
+                ),
             ),
-            split_mm_inputs=not vllm_config.scheduler_config.disable_chunked_mm_input,
-            max_loras=(
-                vllm_config.lora_config.max_loras if vllm_config.lora_config else None
-            ),
-            external_kv=vllm_config.kv_transfer_config is not None,
         )
         # vLLM's own hook, bound once: the fast path's stand-in for ours.
         self.output_rate.stock_hook = super()._reserve_prefill_lookahead

@@ -134,6 +134,26 @@ class SpeculativeLedger:
         left = int(request.max_tokens - request.num_output_tokens)
         return max(1, min(1 + num_drafts, left))
 
+    def fit_drafts(
+        self,
+        request: Request,
+        num_drafts: int,
+        num_new_tokens: int,
+        in_running_loop: bool,
+        budget: int,
+    ) -> tuple[int, int]:
+        """Trim a sampling chunk's ``num_drafts`` draft positions to what
+        ``budget`` (at least 1) covers; return the tokens vLLM is to compute
+        for the request and the tokens to charge, and note the charge."""
+        charge = self.charge_for(request, num_drafts, in_running_loop)
+        if charge > budget:
+            # Keep budget - 1 drafts: the chunk then emits at most `budget`
+            # tokens (vLLM schedules the drafts num_new_tokens covers).
+            num_new_tokens -= num_drafts - (budget - 1)
+            charge = self.charge_for(request, budget - 1, in_running_loop)
+        self.charges[request.request_id] = charge
+        return num_new_tokens, charge
+
     def record_step(
         self,
         step: int,
