@@ -58,6 +58,11 @@ class CountingLimiter(OutputRateLimiter):
         if count > 0:
             self.net[user] -= count
 
+    def refund_many(self, counts: Mapping[str, int]) -> None:
+        self.calls["refund_many"] += 1
+        super().refund_many(counts)
+        self.net.subtract({u: c for u, c in counts.items() if c > 0})
+
     def refund_late(
         self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
     ) -> None:

@@ -239,8 +239,11 @@ class OutputRatePolicy:
         """Speculative decoding: return the tokens charged for reported steps
         that their users did not receive (before this step's reservation)."""
         limiter = self.limiter
-        for refund in spec.refunds():
-            limiter.refund_late(refund.user, refund.count, refund.later_takes)
+        refunds = spec.refunds()
+        for user, count, later_takes in refunds.late:
+            limiter.refund_late(user, count, later_takes)
+        if refunds.plain:
+            limiter.refund_many(refunds.plain)
         if spec.undercharged:
             self._logger.warning(
                 "Users received more tokens than they were charged: %s",

@@ -82,13 +82,13 @@ class _Step:
 
 
 @dataclass(slots=True)
-class Refund:
-    """Tokens one user did not receive from one step, and the user's takes
-    granted after that step (for the limiter's ``refund_late``)."""
+class Refunds:
+    """What users were charged and did not receive: ``plain`` per user
+    (nothing was taken for them since: the limiter's ``refund_many``), and
+    ``late`` (user, tokens, takes granted since: its ``refund_late``)."""
 
-    user: str
-    count: int
-    later_takes: list[tuple[int, int]]
+    plain: dict[str, int] = field(default_factory=dict)
+    late: list[tuple[str, int, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 class SpeculativeLedger:
@@ -224,22 +224,27 @@ class SpeculativeLedger:
 
     # ----- the next refund point ------------------------------------------
 
-    def refunds(self) -> list[Refund]:
-        """What users were charged and did not receive, per reported step,
-        oldest first. Also fills ``delivered``, ``delivered_at`` and
-        ``undercharged``."""
+    def refunds(self) -> Refunds:
+        """What users were charged and did not receive from the steps
+        reported since the last call (late ones oldest first). Also fills
+        ``delivered``, ``delivered_at`` and ``undercharged``."""
         self.undercharged = Counter()
         reported = self._reported
         self.delivered = reported[0][1] if len(reported) == 1 else {}
         if len(reported) > 1:
             self.delivered = dict(sum((Counter(r) for _, r in reported), Counter()))
         self.delivered_at = [(step.time_ns, received) for step, received in reported]
-        refunds: list[Refund] = []
+        refunds = Refunds()
+        plain, grants = refunds.plain, self._grants
         for step, received in reported:
             for user, charged in step.charged.items():
                 owed = charged - received.get(user, 0)
                 if owed > 0:
-                    refunds.append(Refund(user, owed, self._later_takes(user, step)))
+                    later = self._later_takes(user, step) if grants else None
+                    if later:
+                        refunds.late.append((user, owed, later))
+                    else:
+                        plain[user] = plain.get(user, 0) + owed
                 elif owed < 0:
                     self.undercharged[user] -= owed
         self._reported = []
