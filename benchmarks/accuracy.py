@@ -31,14 +31,14 @@ from benchmarks.servers import (
     acc_user,
     log,
 )
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,
-    percentile,
     run_load,
     run_load_sync,
 )
+from vllm_output_rate.loadtest.summary import percentile
 from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
 
 # Cells run concurrently on one server in batches whose summed limits stay

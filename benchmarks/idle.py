@@ -32,13 +32,10 @@ from benchmarks.servers import (
     log,
 )
 from vllm_output_rate.demo.server import RunningServer
-from vllm_output_rate.loadtest.loadgen import (
-    LoadSpec,
-    UserLoad,
-    build_request_body,
-    count_chunk_tokens,
-    iter_sse_data,
-)
+from vllm_output_rate.loadtest import LoadSpec, UserLoad
+from vllm_output_rate.loadtest.client import count_chunk_tokens
+from vllm_output_rate.loadtest.spec import build_request_body
+from vllm_output_rate.loadtest.sse import sse_data
 
 IDLE_TARGET_PCT = 5.0
 IDLE_WARMUP_S = 3.0
@@ -56,7 +53,7 @@ async def _stream_forever(
             if response.status_code != 200:
                 await response.aread()
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
-            async for data in iter_sse_data(response.aiter_lines()):
+            async for data in sse_data(response):
                 if data.strip() == "[DONE]":
                     break
                 payload = json.loads(data)

@@ -30,7 +30,7 @@ from benchmarks.servers import (
     ServerPool,
     log,
 )
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,

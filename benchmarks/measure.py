@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from vllm_output_rate.demo.server import RunningServer
-from vllm_output_rate.loadtest.loadgen import LoadResult
+from vllm_output_rate.loadtest import LoadResult
 
 # ----- process CPU -----------------------------------------------------------
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.loadtest.loadgen import percentile
+from vllm_output_rate.loadtest.summary import percentile
 
 
 def median(values: Iterable[float]) -> float | None:

@@ -31,7 +31,7 @@ from benchmarks.servers import (
     ServerPool,
     log,
 )
-from vllm_output_rate.loadtest.loadgen import LoadSpec, UserLoad, run_load_sync
+from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
 
 TP_STREAMS = 32
 TP_MAX_TOKENS = 256

@@ -16,12 +16,13 @@ import httpx
 import pytest
 
 from vllm_output_rate.demo.server import running_server
-from vllm_output_rate.loadtest.loadgen import (
+from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
     UserLoad,
     run_load_sync,
 )
+from vllm_output_rate.loadtest.sse import sse_data
 
 pytestmark = pytest.mark.e2e
 
@@ -225,8 +226,8 @@ def test_a_client_leaving_while_throttled_frees_its_request(
             ) as response:
                 assert response.status_code == 200
                 received = 0
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
+                async for data in sse_data(response):
+                    if data.startswith("{"):
                         received += 1
                         if received == 2:
                             break  # leave while user "slow" is throttled

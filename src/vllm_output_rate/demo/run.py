@@ -16,8 +16,8 @@ from pathlib import Path
 
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.demo.tiny_model import build_tiny_model
-from vllm_output_rate.loadtest.loadgen import CAVEAT, LoadResult, LoadSpec, UserLoad
-from vllm_output_rate.loadtest.loadgen import run_load_sync as run_load
+from vllm_output_rate.loadtest import CAVEAT, LoadResult, LoadSpec, UserLoad
+from vllm_output_rate.loadtest import run_load_sync as run_load
 
 # user name (None: anonymous), streams, limit in tok/s
 DEMO_USERS: list[tuple[str | None, int, float]] = [

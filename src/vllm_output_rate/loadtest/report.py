@@ -17,9 +17,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from vllm_output_rate.loadtest.loadgen import CAVEAT, LoadResult, UserSummary
+from vllm_output_rate.loadtest.results import LoadResult
+from vllm_output_rate.loadtest.summary import UserSummary
 
-__all__ = ["CAVEAT", "format_table", "plot_rates"]
+__all__ = ["format_table", "plot_rates"]
 
 TABLE_WIDTH = 120
 

@@ -1,0 +1,340 @@
+"""The streaming client: runs a ``LoadSpec`` against a vLLM OpenAI server.
+
+``run_load`` checks that the server answers (``preflight``), starts one task
+per stream and returns a ``LoadResult`` once every stream has passed the
+deadline and its last request has ended.  A stream is a loop: send one
+streaming request, consume it to the end (``sse.sse_data``), record each
+chunk's arrival time and token count in a ``RequestRecord``, send the next.
+A failed request is recorded, never raised; the stream pauses briefly
+(``FAILURE_BACKOFF_S``) and carries on.  Only a server that cannot be reached
+at all (or does not serve the model) raises ``LoadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+
+from vllm_output_rate.loadtest.results import LoadResult
+from vllm_output_rate.loadtest.spec import (
+    ENDPOINT_PATHS,
+    Endpoint,
+    LoadSpec,
+    UserLoad,
+    build_request_body,
+    normalize_base_url,
+    user_label,
+)
+from vllm_output_rate.loadtest.sse import sse_data
+from vllm_output_rate.loadtest.summary import RequestRecord
+
+# Pause after a failed request before a stream tries again, so that a dead
+# server or a rejected request does not turn into a tight retry loop.
+FAILURE_BACKOFF_S = 0.5
+PREFLIGHT_TIMEOUT_S = 10.0
+
+
+class LoadError(RuntimeError):
+    """The load could not be run at all (e.g. the server is unreachable)."""
+
+
+@dataclass
+class ProgressSnapshot:
+    """Live counters, handed to the ``progress`` callback about twice a
+    second and once at the end (``done=True``).  Keys are user labels."""
+
+    elapsed_s: float
+    duration_s: float
+    tokens: dict[str, int]
+    requests_completed: dict[str, int]
+    requests_failed: dict[str, int]
+    in_flight: int
+    done: bool = False
+
+
+def count_chunk_tokens(choice: dict[str, Any], endpoint: Endpoint) -> int:
+    """Tokens carried by one streamed choice.
+
+    Exact when the server returned ``token_ids`` (``return_token_ids``);
+    otherwise one per chunk, except chat's role-only opening chunk.
+    """
+    token_ids = choice.get("token_ids")
+    if isinstance(token_ids, list):
+        return len(token_ids)
+    if endpoint == "chat":
+        delta = choice.get("delta") or {}
+        has_text = any(
+            delta.get(k) for k in ("content", "reasoning", "reasoning_content")
+        )
+        if "role" in delta and not has_text:
+            return 0
+    return 1
+
+
+def _error_text(payload: Any) -> str:
+    if isinstance(payload, dict):
+        err = payload.get("error", payload)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(err)
+    return str(payload)
+
+
+def _http_error_text(status: int, raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace").strip()
+    with contextlib.suppress(ValueError):
+        text = _error_text(json.loads(text))
+    if len(text) > 500:
+        text = text[:500] + "..."
+    return f"HTTP {status}: {text}" if text else f"HTTP {status}"
+
+
+def _detail(exc: httpx.TransportError) -> str:
+    return str(exc) or type(exc).__name__
+
+
+class _Run:
+    """State of one ``run_load`` call."""
+
+    def __init__(self, spec: LoadSpec, client: httpx.AsyncClient, t0: float):
+        self.spec = spec
+        self.client = client
+        self.t0 = t0
+        self.deadline = t0 + spec.duration_s
+        self.path = ENDPOINT_PATHS[spec.endpoint]
+        self.records: list[RequestRecord] = []
+        self.in_flight = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def stream_loop(self, user: UserLoad, index: int) -> None:
+        body = build_request_body(self.spec, user)
+        while time.monotonic() < self.deadline:
+            record = RequestRecord(user=user.name, stream=index, start_s=self.now())
+            self.records.append(record)
+            self.in_flight += 1
+            try:
+                await asyncio.wait_for(
+                    self._request(body, record), self.spec.request_timeout_s
+                )
+            except asyncio.TimeoutError:
+                record.error = (
+                    f"timed out after {self.spec.request_timeout_s:g} s "
+                    f"({record.tokens} tokens received)"
+                )
+            finally:
+                self.in_flight -= 1
+                record.end_s = self.now()
+            if not record.ok:
+                remaining = self.deadline - time.monotonic()
+                if remaining > 0:
+                    await asyncio.sleep(min(FAILURE_BACKOFF_S, remaining))
+
+    async def _request(self, body: dict[str, Any], record: RequestRecord) -> None:
+        url = str(self.client.base_url).rstrip("/") + self.path
+        try:
+            async with self.client.stream("POST", self.path, json=body) as response:
+                record.status = response.status_code
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    record.error = _http_error_text(response.status_code, raw)
+                    return
+                await self._consume(response, record)
+        except httpx.TransportError as exc:
+            record.error = f"{type(exc).__name__} on {url}: {_detail(exc)}"
+
+    async def _consume(self, response: httpx.Response, record: RequestRecord) -> None:
+        endpoint = self.spec.endpoint
+        done = False
+        async for data in sse_data(response):
+            t = self.now()
+            if data.strip() == "[DONE]":
+                done = True
+                break
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                record.error = f"unparsable SSE data: {data[:200]!r}"
+                return
+            if not isinstance(payload, dict):
+                continue
+            if "error" in payload and not payload.get("choices"):
+                record.error = f"server error in stream: {_error_text(payload)}"
+                return
+            usage = payload.get("usage")
+            if isinstance(usage, dict) and not payload.get("choices"):
+                tokens = usage.get("completion_tokens")
+                if isinstance(tokens, int):
+                    record.usage_completion_tokens = tokens
+            for choice in payload.get("choices") or []:
+                record.add_chunk(t, count_chunk_tokens(choice, endpoint))
+                if choice.get("finish_reason") is not None:
+                    record.finish_reason = choice["finish_reason"]
+        if record.finish_reason is None:
+            record.error = "stream ended without a finish_reason" + (
+                "" if done else " (connection closed before [DONE])"
+            )
+
+    def snapshot(self, done: bool = False) -> ProgressSnapshot:
+        tokens = {u.label: 0 for u in self.spec.users}
+        completed = dict.fromkeys(tokens, 0)
+        failed = dict.fromkeys(tokens, 0)
+        for r in self.records:
+            label = user_label(r.user)
+            tokens[label] += r.tokens
+            if r.end_s is not None:
+                if r.ok:
+                    completed[label] += 1
+                else:
+                    failed[label] += 1
+        return ProgressSnapshot(
+            elapsed_s=self.now(),
+            duration_s=self.spec.duration_s,
+            tokens=tokens,
+            requests_completed=completed,
+            requests_failed=failed,
+            in_flight=self.in_flight,
+            done=done,
+        )
+
+
+async def _get_models(
+    client: httpx.AsyncClient, base_url: str, timeout_s: float
+) -> httpx.Response:
+    """``GET /v1/models``; LoadError naming the URL if it cannot be reached."""
+    try:
+        return await client.get("/v1/models", timeout=timeout_s)
+    except httpx.TransportError as exc:
+        raise LoadError(
+            f"could not reach the vLLM server at {base_url}/v1/models "
+            f"({type(exc).__name__}: {_detail(exc)}); "
+            "is it running and is --base-url right?"
+        ) from exc
+
+
+async def preflight(
+    client: httpx.AsyncClient, base_url: str, model: str | None
+) -> None:
+    """Check that the server answers; if it lists models, that ``model`` is one.
+
+    Raises LoadError naming the URL that could not be reached.
+    """
+    response = await _get_models(client, base_url, PREFLIGHT_TIMEOUT_S)
+    if model is None or response.status_code != 200:
+        return
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        ids = [m["id"] for m in response.json()["data"]]
+        if ids and model not in ids:
+            raise LoadError(
+                f"model {model!r} is not served at {base_url}; it serves: "
+                + ", ".join(ids)
+            )
+
+
+async def list_models(
+    base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> list[str]:
+    """Model ids from ``GET {base_url}/v1/models``; LoadError if unreachable."""
+    base = normalize_base_url(base_url)
+    url = f"{base}/v1/models"
+    async with httpx.AsyncClient(base_url=base) as client:
+        response = await _get_models(client, base, timeout_s)
+    if response.status_code != 200:
+        raise LoadError(
+            f"{url} answered {_http_error_text(response.status_code, response.content)}"
+        )
+    try:
+        return [m["id"] for m in response.json()["data"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LoadError(f"{url} returned an unexpected body: {exc}") from exc
+
+
+def list_models_sync(
+    base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> list[str]:
+    return asyncio.run(list_models(base_url, timeout_s))
+
+
+async def run_load(
+    spec: LoadSpec,
+    progress: Callable[[ProgressSnapshot], None] | None = None,
+    *,
+    progress_interval_s: float = 0.5,
+    bin_s: float = 1.0,
+) -> LoadResult:
+    """Run ``spec`` against the server and return the measurements.
+
+    Raises LoadError if the server cannot be reached (or does not serve
+    ``spec.model``).  Failed requests do not raise: they are recorded
+    (``LoadResult.failed_requests``) and the stream pauses briefly and
+    carries on.  See the package docstring for the measurement caveat.
+    """
+    base = normalize_base_url(spec.base_url)
+    total_streams = sum(u.streams for u in spec.users)
+    timeout = httpx.Timeout(
+        connect=PREFLIGHT_TIMEOUT_S,
+        read=spec.request_timeout_s,
+        write=PREFLIGHT_TIMEOUT_S,
+        pool=None,
+    )
+    limits = httpx.Limits(
+        max_connections=total_streams + 4,
+        max_keepalive_connections=total_streams + 4,
+    )
+    async with httpx.AsyncClient(
+        base_url=base, timeout=timeout, limits=limits
+    ) as client:
+        await preflight(client, base, spec.model)
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        run = _Run(spec, client, time.monotonic())
+        tasks = [
+            asyncio.create_task(run.stream_loop(user, i))
+            for user in spec.users
+            for i in range(user.streams)
+        ]
+        ticker = (
+            asyncio.create_task(_tick(run, progress, progress_interval_s))
+            if progress is not None
+            else None
+        )
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if ticker is not None:
+                ticker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ticker
+        elapsed = max(
+            (r.end_s for r in run.records if r.end_s is not None), default=run.now()
+        )
+        if progress is not None:
+            progress(run.snapshot(done=True))
+    return LoadResult.build(spec, run.records, elapsed, started_at, bin_s)
+
+
+async def _tick(
+    run: _Run, progress: Callable[[ProgressSnapshot], None], interval_s: float
+) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        progress(run.snapshot())
+
+
+def run_load_sync(
+    spec: LoadSpec,
+    progress: Callable[[ProgressSnapshot], None] | None = None,
+    **kwargs: Any,
+) -> LoadResult:
+    """``run_load`` for synchronous callers (starts its own event loop)."""
+    return asyncio.run(run_load(spec, progress, **kwargs))
