@@ -115,7 +115,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _load(url: str, model: str, users: list[Any], seconds: float, **body: Any):
-    from vllm_output_rate.loadtest.loadgen import LoadSpec, run_load_sync
+    from vllm_output_rate.loadtest import LoadSpec, run_load_sync
 
     spec = LoadSpec(
         base_url=url,
@@ -137,7 +137,7 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
 
 
 def _acceptance(url: str, model: str, seconds: float) -> dict[str, float]:
-    from vllm_output_rate.loadtest.loadgen import UserLoad
+    from vllm_output_rate.loadtest import UserLoad
 
     rates = {}
     for label, temperature in (("greedy", 0.0), ("temperature 1", 1.0)):
@@ -151,7 +151,7 @@ def _acceptance(url: str, model: str, seconds: float) -> dict[str, float]:
 
 
 def _throughput(url: str, model: str, seconds: float) -> float:
-    from vllm_output_rate.loadtest.loadgen import UserLoad
+    from vllm_output_rate.loadtest import UserLoad
 
     before, started = _metrics(url), time.monotonic()
     users = [UserLoad(f"free-{i}", 2) for i in range(4)]
@@ -188,7 +188,7 @@ def _accuracy(log_path: str) -> dict[str, dict[str, float]]:
 
 def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     from vllm_output_rate.demo.server import running_server
-    from vllm_output_rate.loadtest.loadgen import UserLoad
+    from vllm_output_rate.loadtest import UserLoad
 
     seconds = 4 if quick else 10
     base_args = [

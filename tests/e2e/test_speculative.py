@@ -16,7 +16,7 @@ import pytest
 
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.demo.tiny_model import build_tiny_model
-from vllm_output_rate.loadtest.loadgen import LoadSpec, UserLoad, run_load_sync
+from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
 
 pytestmark = pytest.mark.e2e
 
