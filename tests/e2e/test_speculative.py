@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -91,6 +92,10 @@ def test_speculation_keeps_a_throttled_user_at_its_limit(server, echo_model) -> 
     assert slow.bound_ok, slow
     assert slow.rate_tok_s >= 0.85 * LIMITS["slow"], slow
     assert result.user("free").rate_tok_s > 3 * LIMITS["slow"]
+    # A step's tokens are counted at the next refund point: one more request
+    # (another user) runs it; the API server polls the engine once a second.
+    load(server, echo_model, [UserLoad("free", 1)], max_tokens=5, duration_s=0.1)
+    time.sleep(2.5)
     after = metric_sums(server)
     accepted = after["vllm:spec_decode_num_accepted_tokens_total"] - before.get(
         "vllm:spec_decode_num_accepted_tokens_total", 0
