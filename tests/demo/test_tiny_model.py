@@ -135,7 +135,9 @@ def test_incomplete_folder_is_replaced(tmp_path, model_dir):
 
 
 def test_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
-    def boom(directory: Path, vocab_size: int, ids: dict[str, int]) -> None:
+    def boom(
+        directory: Path, vocab_size: int, ids: dict[str, int], variant: str
+    ) -> None:
         (directory / WEIGHTS).write_bytes(b"partial")
         raise RuntimeError("interrupted")
 
