@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Everything ruff checks and formats (mypy's files are in pyproject.toml).
 CODE := src tests benchmarks
 
-.PHONY: demo test test-fast lint typecheck bench model dist clean test-servers
+.PHONY: demo test test-fast lint typecheck bench model dist clean test-servers vllm-next
 
 # Servers the end-to-end tests start themselves, from Debian packages
 # (installed once, as root; CI runs as root).
@@ -29,6 +29,8 @@ demo: $(STAMP)
 	$(PY) -m vllm_output_rate.demo.run
 
 test: lint typecheck test-servers
+	@# Best effort: without network the test of the next release skips.
+	-@$(MAKE) --no-print-directory $(NEXT_STAMP)
 	$(PY) -m pytest
 
 test-servers:
@@ -55,6 +57,24 @@ typecheck: $(STAMP)
 BENCH_ARGS ?=
 bench: $(STAMP)
 	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks $(BENCH_ARGS)
+
+# The next vLLM release has no CPU build and cannot run here; its source
+# (the wheel's .py files, never imported) is checked against every seam in
+# seams.py, the same checks that run against the installed vLLM at start-up.
+VLLM_NEXT := 0.33.0
+NEXT_DIR := .cache/vllm-next
+NEXT_STAMP := $(NEXT_DIR)/.vllm-$(VLLM_NEXT)
+
+vllm-next: $(NEXT_STAMP)
+	$(PY) -m vllm_output_rate.seams $(NEXT_DIR)
+
+$(NEXT_STAMP): $(STAMP)
+	rm -rf $(NEXT_DIR) $(NEXT_DIR).wheel
+	$(PY) -m pip download --quiet --no-deps vllm==$(VLLM_NEXT) -d $(NEXT_DIR).wheel
+	$(PY) -m zipfile -e $(NEXT_DIR).wheel/vllm-$(VLLM_NEXT)-*.whl $(NEXT_DIR)
+	find $(NEXT_DIR) -type f ! -name '*.py' -delete
+	rm -rf $(NEXT_DIR).wheel
+	touch $(NEXT_STAMP)
 
 # A wheel and an sdist in dist/ (the wheel is built from the sdist, so both
 # are checked); tests/test_packaging.py checks what they contain.

@@ -9,9 +9,12 @@ release that adds a name of ours to its ``Scheduler`` fails here.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -23,6 +26,7 @@ from vllm_output_rate.scheduling.scheduler import (
     OutputRateMixin,
     OutputRateScheduler,
 )
+from vllm_output_rate.vllm_source import LiveSource, StaticSource
 
 # The vLLM methods the subclasses override on purpose (listed in seams.py).
 OVERRIDDEN = {
@@ -30,6 +34,7 @@ OVERRIDDEN = {
     "schedule",
     "add_request",
     "shutdown",
+    "update_from_output",
     "_reserve_prefill_lookahead",
     "_handle_blocked_waiting_request",
 }
@@ -37,7 +42,7 @@ LIMITS = {"default_user_output_tokens_per_second": 10}
 
 
 def test_seams_exist_with_the_expected_signatures() -> None:
-    seams_module.verify_seams(api=True)
+    seams_module.verify_seams(api=True, imports=True)
 
 
 def test_a_moved_seam_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,3 +198,66 @@ def test_the_preemption_seam_is_vllms_recompute_preemption(
     assert request.request_id in output.preempted_req_ids
     h.run_until_done(0)
     assert len(h.outputs[request.request_id]) == 10  # resumed, unchanged
+
+
+# ----- the same checks against a vLLM source tree (never imported) ----------
+
+INSTALLED = Path(vllm.__file__).parent.parent
+ROOT = Path(__file__).parent.parent
+OUR_CODE = (ROOT / "tests", ROOT / "benchmarks")
+# `make vllm-next` unpacks the next vLLM release's wheel here (GPU only: it
+# cannot run on these machines, but its source can be checked).
+NEXT_SOURCE = Path(
+    os.environ.get("VLLM_OUTPUT_RATE_NEXT_VLLM", ".cache/vllm-next")
+).resolve()
+
+
+def test_the_static_check_reads_the_installed_vllm_like_the_live_one() -> None:
+    static, live = StaticSource(INSTALLED), LiveSource()
+    assert seams_module.seam_problems(static, also_imports_of=OUR_CODE) == []
+    assert seams_module.seam_problems(live, also_imports_of=OUR_CODE) == []
+    for module, path, _ in seams_module.EXPECTED_SIGNATURES:
+        static_params = static.function(module, path).params
+        live_params = live.function(module, path).params
+        assert live_params in (static_params, static_params[1:]), path
+    for module, path, needle, _ in seams_module.SOURCE_FACTS:
+        assert needle in static.function(module, path).source
+
+
+def test_a_moved_seam_fails_the_static_check(tmp_path: Path) -> None:
+    # A copy of the files the checks read, with two seams moved.
+    for module in (
+        {m for m, *_ in seams_module.EXPECTED_SIGNATURES}
+        | {m for m, *_ in seams_module.SOURCE_FACTS}
+        | {m for m, _ in seams_module.REQUEST_CLASSES}
+    ):
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            target = tmp_path.joinpath(*parts[:depth], "__init__.py")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+        shutil.copy(
+            INSTALLED.joinpath(*parts).with_suffix(".py"),
+            tmp_path.joinpath(*parts).with_suffix(".py"),
+        )
+    scheduler = tmp_path / "vllm/v1/core/sched/scheduler.py"
+    text = scheduler.read_text()
+    text = text.replace("def _reserve_prefill_lookahead(", "def _reserve_lookahead(")
+    text = text.replace("request.append_output_token_ids(", "request.extend(")
+    scheduler.write_text(text)
+    problems = seams_module.seam_problems(StaticSource(tmp_path), imports=False)
+    assert any("_reserve_prefill_lookahead no longer exists" in p for p in problems)
+    assert any("appends a step's tokens" in p for p in problems)
+    with pytest.raises(seams_module.SeamMovedError, match="_reserve_prefill"):
+        seams_module.verify_seams(source=StaticSource(tmp_path))
+
+
+@pytest.mark.skipif(
+    not (NEXT_SOURCE / "vllm" / "__init__.py").is_file(),
+    reason=f"no vLLM source at {NEXT_SOURCE} (run `make vllm-next`)",
+)
+def test_the_next_vllm_release_has_every_seam() -> None:
+    """Every seam, and every vLLM name the package, its tests and its
+    benchmarks import, in the next release's source."""
+    source = StaticSource(NEXT_SOURCE)
+    assert seams_module.seam_problems(source, also_imports_of=OUR_CODE) == []

@@ -10,7 +10,8 @@ Two implementations, chosen at start-up like the storage backends of the
   one budget per user holds across every engine using the store.
 
 The policy calls only what is listed here, once per step in one batch
-(``take_many``) plus refunds at its single refund point.
+(``take_many``) plus refunds at its single refund point (with speculative
+decoding, also refunds of drafts a later report says were rejected).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class Budget(Protocol):
     def take_up_to(self, user: str, wanted: int) -> int: ...
 
     def refund(self, user: str, count: int = 1) -> None: ...
+
+    def refund_many(self, counts: Mapping[str, int]) -> None: ...
+
+    def refund_late(
+        self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
+    ) -> None: ...
 
     def tokens_within(self, user: str, window_ns: int) -> int: ...
 

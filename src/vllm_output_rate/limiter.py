@@ -306,8 +306,10 @@ class OutputRateLimiter:
 
     def refund(self, user: str, count: int = 1) -> None:
         """Give back ``count`` tokens taken earlier in the same scheduler step."""
-        if count <= 0:
-            return
+        if count > 0:
+            self._give_back(user, count)
+
+    def _give_back(self, user: str, count: int) -> None:
         if user in self._group_taken:
             self._group_taken[user] -= count
             return
@@ -325,6 +327,49 @@ class OutputRateLimiter:
         """
         rate = self._overrides.get(user, self._default)
         return (max(0, window_ns) * rate.scale + rate.burst) // rate.interval + 1
+
+    def refund_many(self, counts: Mapping[str, int]) -> None:
+        """``refund`` for several users (one call for a step's refunds)."""
+        give_back = self._give_back
+        for user, count in counts.items():
+            if count > 0:
+                give_back(user, count)
+
+    def refund_late(
+        self,
+        user: str,
+        count: int,
+        later_takes: Iterable[tuple[int, int]] = (),
+    ) -> None:
+        """Give back ``count`` tokens of a take made in an earlier step.
+
+        ``later_takes`` lists, oldest first, the takes of ``user`` made since
+        then that were granted at least one token: ``(clock_ns, kept)``, the
+        clock reading of the take (or any later one) and the tokens kept of
+        it. The result is exactly the state GCRA would have reached had the
+        earlier take been ``count`` smaller: the later takes' tokens keep
+        due times no earlier than their own clock readings, so a late refund
+        never lets a token in ahead of its slot. With no later takes this is
+        ``refund``. (A clock reading later than the take's own only makes
+        the result stricter.)
+        """
+        if count <= 0:
+            return
+        rate = self._overrides.get(user, self._default)
+        floor: int | None = None
+        for clock_ns, kept in later_takes:
+            now = clock_ns * rate.scale
+            floor = (now if floor is None or floor < now else floor) + (
+                kept * rate.interval
+            )
+        if floor is None:
+            self._give_back(user, count)
+            return
+        tat = self._tat_of(user)
+        if tat is None:
+            return  # nothing is ahead of now: nothing to give back
+        self._group_taken.pop(user, None)
+        self._tat[user] = max(tat - count * rate.interval, floor)
 
     def ready_at_ns(self, user: str) -> int:
         """Earliest clock reading at which ``try_take(user)`` can succeed.

@@ -6,9 +6,12 @@ overrides (with the parameters it relies on), the facts about vLLM's source
 it relies on, and the scheduler attributes it reads and writes
 (``SchedulerHost``). ``verify_seams()`` runs when the plugin loads and in the
 tests, and ``check_host()`` when our scheduler starts, so a vLLM upgrade that
-moves one fails loudly instead of silently turning limiting off. This module
-imports vLLM only inside those checks; the scheduling policy and the
-integration both import it, and it imports neither.
+moves one fails loudly instead of silently turning limiting off. The same
+lists are checked against a vLLM source tree that is never imported
+(``python -m vllm_output_rate.seams DIR``, ``make vllm-next``: a release
+that cannot run here). This module imports vLLM only inside those checks;
+the scheduling policy and the integration both import it, and it imports
+neither.
 
 Wrapped by the plugin (``integration/plugin.py``), in the process where vLLM
 calls them:
@@ -27,11 +30,17 @@ calls them:
   one funnel every route's request goes through into the engine; trusted
   identity stamps the verified user there or refuses the request, and the
   user is validated there for every route. ``verify_seams`` checks that
-  every path of ``AsyncLLM`` into the engine core passes through it.
+  every path of ``AsyncLLM`` into the engine core passes through it (in the
+  installed vLLM; a source tree is not imported, so not there), and reads
+  the path prefixes vLLM's own ``--api-key`` guards.
 
 Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
-``schedule``, ``add_request``, ``shutdown`` and the private
-``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``; the attribute
+``schedule``, ``add_request``, ``shutdown`` (a shared store's refresher),
+``update_from_output`` (speculative decoding:
+what each request of the reported step received, from
+``Request._output_token_ids``; never a limiter call) and the private
+``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``; the
+attribute
 ``max_num_active_reqs`` is read by vLLM's waiting loop. The fast path (no
 limit binds) relies on two more facts: ``schedule()`` looks the hook up on
 ``self`` at each call (so an instance attribute can stand in for the
@@ -42,7 +51,10 @@ step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
 ``_free_request``, read before ``schedule()`` clears it), with a recount
 whenever it disagrees with ``Scheduler.requests``; and when vLLM's
 ``_inflight_prefills`` (requests whose prefill continues after this step) is
-empty, every scheduled request sampled.
+empty, every scheduled request sampled. Engine modes: a waiting request's
+draft positions are ``-1`` padding (charged one token); hybrid models align
+prefill chunks to Mamba blocks (``need_mamba_block_aligned_split``); the
+idle wait is skipped while ``EngineCore.batch_queue`` holds batches.
 
 So that a throttled user never locks others out (``scheduling/residency.py``)
 the policy preempts throttled residents with vLLM's own recompute preemption,
@@ -61,12 +73,17 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Collection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from vllm_output_rate.vllm_source import LiveSource, Source, StaticSource, vllm_imports
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
 # The hook the fast path swaps for vLLM's own for one step (an instance
@@ -100,6 +117,8 @@ class SchedulerHost:
     kv_cache_manager: KVCacheManager
     block_size: int
     hash_block_size: int
+    # Hybrid models: prefill chunks end on Mamba block boundaries.
+    need_mamba_block_aligned_split: bool
     max_num_scheduled_tokens: int  # the token budget of one step
     max_model_len: int
     scheduler_reserve_full_isl: bool  # admission needs the whole prompt's KV
@@ -113,6 +132,11 @@ class SchedulerHost:
     def add_request(self, request: Request) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        raise NotImplementedError
 
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
@@ -192,6 +216,11 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", ["self"]),
     (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        ["self", "scheduler_output", "model_runner_output"],
+    ),
+    (
         "vllm.v1.engine.core_client",
         "AsyncMPClient.call_utility_async",
         ["self", "method"],
@@ -222,11 +251,112 @@ ENGINE_ENTRY_CALLERS: dict[str, set[str]] = {
     "self._add_request(": {FUNNEL, "_add_streaming_input_request"},
     "self._add_streaming_input_request(": {FUNNEL},
 }
-
-
 # vLLM's own --api-key middleware and the path prefixes it guards: with our
 # API keys (which replace --api-key) the same paths need a valid key.
 API_KEY_GUARD = ("vllm.entrypoints.serve.middleware.authenticate", "GUARDED_PREFIX")
+
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+# Facts about vLLM's source the plugin relies on: (module, function, text
+# its source must contain, the fact).
+SOURCE_FACTS: list[tuple[str, str, str, str]] = [
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self.max_num_active_reqs",
+        "Scheduler.schedule reads max_num_active_reqs",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self._reserve_prefill_lookahead(",
+        "Scheduler.schedule calls self._reserve_prefill_lookahead",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self._update_after_schedule(",
+        "Scheduler.schedule calls self._update_after_schedule",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._update_after_schedule",
+        "request.is_prefill_chunk =",
+        "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._update_after_schedule",
+        "self._inflight_prefills.discard(",
+        "Scheduler._update_after_schedule drops finished prefills from "
+        "_inflight_prefills",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._free_request",
+        "self.finished_req_ids.add(",
+        "Scheduler._free_request records finished_req_ids",
+    ),
+    # Lock-out rules (scheduling/residency.py).
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "if num_running >= self.max_num_active_reqs:",
+        "Scheduler.schedule stops admitting at max_num_active_reqs",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "full_sequence_must_fit=self.scheduler_reserve_full_isl",
+        "Scheduler.schedule admits only what scheduler_reserve_full_isl fits",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._preempt_request",
+        "self._free_request_blocks(request)",
+        "Scheduler._preempt_request frees the request's KV blocks",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._preempt_request",
+        "self.waiting.prepend_request(request)",
+        "Scheduler._preempt_request puts the request back into waiting",
+    ),
+    (
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager.allocate_slots",
+        "self.watermark_blocks",
+        "KVCacheManager.allocate_slots keeps watermark_blocks free",
+    ),
+    # Speculative decoding (scheduling/speculative.py).
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "] * self.num_spec_tokens",
+        "Scheduler.schedule pads a waiting request's drafts with -1, which "
+        "the rejection sampler always rejects",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler._update_request_with_output",
+        "request.append_output_token_ids(",
+        "update_from_output appends a step's tokens to the request's output",
+    ),
+    (
+        "vllm.v1.request",
+        "Request.num_output_tokens",
+        "len(self._output_token_ids)",
+        "Request.num_output_tokens counts the tokens of its output",
+    ),
+    # The idle wait (integration/engine_loop.py).
+    (
+        "vllm.v1.engine.core",
+        "EngineCore.__init__",
+        "self.batch_queue",
+        "EngineCore keeps its batches in flight in batch_queue",
+    ),
+]
+# Every `from vllm... import name` of this package must resolve.
+PACKAGE_DIR = Path(__file__).parent
 
 
 def api_key_guarded_prefixes() -> tuple[str, ...]:
@@ -253,30 +383,47 @@ def resolve(module: str, path: str) -> Any:
     return owner
 
 
-def verify_seams(*, api: bool = True) -> None:
-    """Raise SeamMovedError naming every internal that is gone or changed.
+def seam_problems(
+    source: Source,
+    *,
+    api: bool = True,
+    imports: bool = True,
+    also_imports_of: tuple[str | Path, ...] = (),
+) -> list[str]:
+    """Every internal this plugin relies on that ``source`` lacks or changed.
 
     ``api=False`` skips the OpenAI request classes (engine processes never
-    import the API server).
+    import the API server); ``imports=False`` skips checking that every vLLM
+    name this package imports exists (at start-up Python checks the ones
+    it needs as it imports them); ``also_imports_of`` adds folders whose
+    vLLM imports must resolve too (the tests).
     """
     problems = []
+    init = source.function(_SCHEDULER, "Scheduler.__init__")
+    for name in HOST_ATTRIBUTES:
+        # Assigned (perhaps annotated) in vLLM's Scheduler.__init__.
+        if init is None or not any(
+            f"self.{name}{end}" in init.source for end in (" =", ":")
+        ):
+            problems.append(f"no longer true: Scheduler keeps {name}")
     for module, path, params in EXPECTED_SIGNATURES:
-        try:
-            target = resolve(module, path)
-        except (ImportError, AttributeError):
+        function = source.function(module, path)
+        if function is None:
             problems.append(f"{module}.{path} no longer exists")
             continue
-        names = list(inspect.signature(inspect.unwrap(target)).parameters)
+        names = function.params
         if params not in (names[: len(params)], names[1 : len(params) + 1]):
             problems.append(f"{module}.{path}{tuple(names)} expected {params}")
     methods = [(cls, "to_sampling_params") for cls in REQUEST_CLASSES]
     methods += [(cls, "to_beam_search_params") for cls in BEAM_SEARCH_CLASSES]
     for (module, name), method in methods if api else []:
-        try:
-            resolve(module, f"{name}.{method}")
-        except (ImportError, AttributeError):
+        if source.function(module, f"{name}.{method}") is None:
             problems.append(f"{module}.{name}.{method} no longer exists")
-    if api:
+    for module, path, needle, fact in SOURCE_FACTS:
+        function = source.function(module, path)
+        if function is None or needle not in function.source:
+            problems.append(f"no longer true: {fact}")
+    if api and isinstance(source, LiveSource):
         problems += _funnel_problems()
         try:
             api_key_guarded_prefixes()
@@ -284,78 +431,24 @@ def verify_seams(*, api: bool = True) -> None:
             problems.append(f"{'.'.join(API_KEY_GUARD)} no longer exists")
         except SeamMovedError as exc:
             problems.append(str(exc))
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
+    for need in vllm_imports(PACKAGE_DIR, *also_imports_of) if imports else []:
+        if not any(
+            all(
+                source.defines(module, name) if name else source.has_module(module)
+                for module, name in option
+            )
+            for option in need.options
+        ):
+            problems.append(need.describe())
+    return problems
 
-    schedule_source = inspect.getsource(Scheduler.schedule)
-    preempt_source = inspect.getsource(Scheduler._preempt_request)
-    after_schedule_source = inspect.getsource(Scheduler._update_after_schedule)
-    source_facts = [
-        (
-            schedule_source,
-            "self.max_num_active_reqs",
-            "Scheduler.schedule reads max_num_active_reqs",
-        ),
-        (
-            schedule_source,
-            "self._reserve_prefill_lookahead(",
-            "Scheduler.schedule calls self._reserve_prefill_lookahead",
-        ),
-        (
-            schedule_source,
-            "self._update_after_schedule(",
-            "Scheduler.schedule calls self._update_after_schedule",
-        ),
-        (
-            after_schedule_source,
-            "request.is_prefill_chunk =",
-            "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
-        ),
-        (
-            after_schedule_source,
-            "self._inflight_prefills.discard(",
-            "Scheduler._update_after_schedule drops finished prefills from "
-            "_inflight_prefills",
-        ),
-        (
-            inspect.getsource(Scheduler.__init__),
-            "self._inflight_prefills",
-            "Scheduler keeps _inflight_prefills",
-        ),
-        (
-            inspect.getsource(Scheduler._free_request),
-            "self.finished_req_ids.add(",
-            "Scheduler._free_request records finished_req_ids",
-        ),
-        (
-            schedule_source,
-            "if num_running >= self.max_num_active_reqs:",
-            "Scheduler.schedule stops admitting at max_num_active_reqs",
-        ),
-        (
-            schedule_source,
-            "full_sequence_must_fit=self.scheduler_reserve_full_isl",
-            "Scheduler.schedule admits only what scheduler_reserve_full_isl fits",
-        ),
-        (
-            preempt_source,
-            "self._free_request_blocks(request)",
-            "Scheduler._preempt_request frees the request's KV blocks",
-        ),
-        (
-            preempt_source,
-            "self.waiting.prepend_request(request)",
-            "Scheduler._preempt_request puts the request back into waiting",
-        ),
-        (
-            inspect.getsource(KVCacheManager.allocate_slots),
-            "self.watermark_blocks",
-            "KVCacheManager.allocate_slots keeps watermark_blocks free",
-        ),
-    ]
-    for source, needle, fact in source_facts:
-        if needle not in source:
-            problems.append(f"no longer true: {fact}")
+
+def verify_seams(
+    *, api: bool = True, imports: bool = False, source: Source | None = None
+) -> None:
+    """Raise SeamMovedError naming every internal that is gone or changed
+    (in the installed vLLM unless ``source`` says otherwise)."""
+    problems = seam_problems(source or LiveSource(), api=api, imports=imports)
     if problems:
         raise SeamMovedError(
             "vllm-output-rate cannot hook into this vLLM: " + "; ".join(problems)
@@ -390,3 +483,38 @@ def _funnel_problems() -> list[str]:
                 f"{where}.{caller} calls {call}...) outside {where}.{FUNNEL}"
             )
     return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_output_rate.seams [DIR]``: check the installed vLLM,
+    or the vLLM source tree in DIR (e.g. an unpacked wheel of a release
+    that cannot run here)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.seams")
+    parser.add_argument(
+        "vllm_source",
+        nargs="?",
+        help="folder holding the vllm package (default: installed)",
+    )
+    args = parser.parse_args(argv)
+    source = StaticSource(args.vllm_source) if args.vllm_source else LiveSource()
+    problems = seam_problems(source)
+    for problem in problems:
+        print(f"MOVED: {problem}")
+    checked = (
+        len(EXPECTED_SIGNATURES)
+        + len(SOURCE_FACTS)
+        + len(HOST_ATTRIBUTES)
+        + len(REQUEST_CLASSES)
+        + len(BEAM_SEARCH_CLASSES)
+    )
+    print(
+        f"{source.name}: {len(problems)} problem(s) in {checked} seams and "
+        f"{len(vllm_imports(PACKAGE_DIR))} imports"
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

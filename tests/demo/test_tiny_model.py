@@ -135,7 +135,9 @@ def test_incomplete_folder_is_replaced(tmp_path, model_dir):
 
 
 def test_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):
-    def boom(directory: Path, vocab_size: int, ids: dict[str, int]) -> None:
+    def boom(
+        directory: Path, vocab_size: int, ids: dict[str, int], variant: str
+    ) -> None:
         (directory / WEIGHTS).write_bytes(b"partial")
         raise RuntimeError("interrupted")
 
@@ -298,3 +300,37 @@ def test_vllm_loads_and_generates(tmp_path, model_dir, tokenizer):
     assert result["chat_prompt_ids"] == tokenizer.encode(
         expected_prompt, add_special_tokens=False
     )
+
+
+# --- variants ------------------------------------------------------------------
+
+
+def test_variants_live_in_their_own_folders_and_leave_the_default_alone(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("VLLM_OUTPUT_RATE_CACHE", str(tmp_path))
+    assert default_model_path() == tmp_path / MODEL_DIRNAME
+    assert default_model_path("echo") == tmp_path / "tiny-echo-v1"
+    # The default recipe is the same as before variants existed.
+    assert "variant" not in tiny_model.build_spec()
+    assert tiny_model.spec_hash() != tiny_model.spec_hash("echo")
+    with pytest.raises(ValueError, match="unknown tiny model variant"):
+        default_model_path("nope")
+
+
+def test_the_echo_variant_predicts_its_input_token(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny_model(tmp_path / "echo", variant="echo")
+    assert is_complete(path, "echo") and not is_complete(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("The quick brown fox jumps over", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    # Greedily it repeats the token it is given: n-gram drafts are accepted.
+    assert torch.equal(logits.argmax(-1), ids[0])
+    # At temperature 1 it repeats it most of the time, not always.
+    repeat = logits.softmax(-1).gather(1, ids[0][:, None]).mean().item()
+    assert 0.5 < repeat < 0.95

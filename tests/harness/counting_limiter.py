@@ -16,7 +16,7 @@ this class for a few extra, untimed steps.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm_output_rate.limiter import OutputRateLimiter
@@ -58,6 +58,22 @@ class CountingLimiter(OutputRateLimiter):
         if count > 0:
             self.net[user] -= count
 
+    def refund_many(self, counts: Mapping[str, int]) -> None:
+        self.calls["refund_many"] += 1
+        super().refund_many(counts)
+        self.net.subtract({u: c for u, c in counts.items() if c > 0})
+
+    def refund_late(
+        self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
+    ) -> None:
+        self.calls["refund_late"] += 1
+        later = list(later_takes)
+        if later:
+            self.calls["refund_late_after_takes"] += 1
+        super().refund_late(user, count, later)
+        if count > 0:
+            self.net[user] -= count
+
 
 def _counted(name: str) -> Callable[..., Any]:
     original = getattr(OutputRateLimiter, name)
@@ -78,3 +94,21 @@ for _name, _value in vars(OutputRateLimiter).items():
         and callable(_value)
     ):
         setattr(CountingLimiter, _name, _counted(_name))
+
+
+def watch_updates(harness: Any) -> list[bool]:
+    """Wrap the harness scheduler's ``update_from_output``; the returned list
+    gets, per call, whether the call left the CountingLimiter untouched (no
+    method called, no charge changed)."""
+    limiter = harness.scheduler.output_rate.limiter
+    untouched: list[bool] = []
+    original = harness.scheduler.update_from_output
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        before = sum(limiter.calls.values()), +limiter.net
+        result = original(*args, **kwargs)
+        untouched.append(before == (sum(limiter.calls.values()), +limiter.net))
+        return result
+
+    harness.scheduler.update_from_output = watched
+    return untouched

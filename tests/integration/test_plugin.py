@@ -10,11 +10,11 @@ import argparse
 import queue
 import threading
 import time
+from collections import deque
 from importlib.metadata import entry_points
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.exceptions import VLLMValidationError
 from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
@@ -29,6 +29,11 @@ from vllm_output_rate.integration.compat import (
 )
 from vllm_output_rate.integration.engine_setup import ASYNC_SCHEDULER, SYNC_SCHEDULER
 from vllm_output_rate.validation import OutputRateConfigError
+
+try:  # vLLM 0.33 moved it
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
 FLAG = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"
@@ -155,13 +160,11 @@ def test_a_foreign_scheduler_class_is_refused(parser, tiny_model_path: str) -> N
             lambda c: setattr(c.parallel_config, "data_parallel_size", 2),
             "data-parallel",
         ),
+        (lambda c: setattr(c, "ec_transfer_config", object()), "EC connectors"),
         (
-            lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
-            "pipeline-parallel",
+            lambda c: setattr(c.scheduler_config, "prefill_schedule_interval", 4),
+            "--prefill-schedule-interval 4",
         ),
-        (lambda c: setattr(c, "speculative_config", object()), "speculative"),
-        (lambda c: setattr(c, "kv_transfer_config", object()), "KV connectors"),
-        (lambda c: setattr(c.cache_config, "kv_offloading_size", 4.0), "offloading"),
     ],
 )
 def test_unsupported_engine_options_are_refused(
@@ -172,6 +175,39 @@ def test_unsupported_engine_options_are_refused(
     change(config)
     with pytest.raises(OutputRateConfigError, match=message):
         check_supported_config(config)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # n-gram speculative decoding needs no draft model.
+        [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+        ],
+        ["--enable-lora", "--max-loras", "2"],
+        [
+            "--kv-transfer-config",
+            '{"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}',
+        ],
+    ],
+    ids=["speculative", "lora", "kv-connector"],
+)
+def test_lifted_engine_modes_are_accepted(
+    parser, tiny_model_path: str, argv: list[str]
+) -> None:
+    config = engine_config(parser, tiny_model_path, FLAG, "50", *argv)
+    assert config.scheduler_config.scheduler_cls == SYNC_SCHEDULER
+
+
+def test_pipeline_parallelism_and_kv_offloading_are_accepted(
+    parser, tiny_model_path: str
+) -> None:
+    config = engine_config(parser, tiny_model_path, FLAG, "50")
+    config.parallel_config.pipeline_parallel_size = 2
+    config.cache_config.kv_offloading_size = 4.0
+    check_supported_config(config)
 
 
 def test_unsupported_vllm_versions_are_refused() -> None:
@@ -203,6 +239,7 @@ class _EngineCore:
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
         self.input_queue: queue.Queue = queue.Queue()
+        self.batch_queue: deque | None = None  # vLLM's, with PP or async
 
 
 def _throttled_engine(tiny_model_path: str) -> _EngineCore:
@@ -223,6 +260,18 @@ def test_idle_engine_waits_until_the_next_token_is_due(tiny_model_path: str) -> 
     engine_loop.wait_for_budget(core)
     waited = time.monotonic() - started
     assert 0.02 <= waited <= 0.5  # about the 50 ms cap, not a 1 ms spin
+
+
+def test_no_idle_wait_while_batches_are_in_flight(tiny_model_path: str) -> None:
+    # Pipeline parallelism: other batches' outputs are due; collect them.
+    core = _throttled_engine(tiny_model_path)
+    core.batch_queue = deque([object()])
+    started = time.monotonic()
+    engine_loop.wait_for_budget(core)
+    assert time.monotonic() - started < 0.01
+    core.batch_queue.clear()
+    engine_loop.wait_for_budget(core)
+    assert time.monotonic() - started >= 0.02
 
 
 def test_new_input_ends_the_idle_wait_at_once(tiny_model_path: str) -> None:

@@ -8,9 +8,20 @@ weights and a small byte-level BPE tokenizer trained on embedded text.
 The output is meaningless text, which is all a rate limiter needs: what it
 measures is tokens, not their sense.
 
+Variants, each in its own cache folder (the default one never changes):
+
+* ``llama``: the default model above.
+* ``echo``: the same Llama with its attention and MLP output projections
+  zeroed and its embeddings tied (and scaled by 3): the residual stream is
+  the current token's embedding, so the model predicts the token it was
+  given. Sampled greedily it repeats the prompt's last token forever, so
+  n-gram speculative decoding (which needs no draft model) finds drafts and
+  the model accepts them; at temperature 1 it repeats with probability
+  about 0.8, so some drafts are rejected.
+
 Usage::
 
-    python -m vllm_output_rate.demo.tiny_model [--path P] [--force]
+    python -m vllm_output_rate.demo.tiny_model [--variant V] [--path P] [--force]
 """
 
 from __future__ import annotations
@@ -36,6 +47,12 @@ if TYPE_CHECKING:
 # It is part of the folder name, so old caches are simply left alone.
 FORMAT_VERSION = 1
 MODEL_DIRNAME = f"tiny-llama-v{FORMAT_VERSION}"
+DEFAULT_VARIANT = "llama"
+# What each variant changes in the recipe (the default changes nothing).
+VARIANTS: dict[str, dict[str, Any]] = {
+    DEFAULT_VARIANT: {},
+    "echo": {"tie_word_embeddings": True, "zero_layer_outputs": True, "embed_scale": 3},
+}
 MARKER_NAME = ".complete"
 SEED = 1234
 # Weight init draws from torch's global RNG; two threads building at once
@@ -118,17 +135,32 @@ Thank you for your patience; your request will be processed shortly.
 """
 
 
-def default_model_path() -> Path:
+def _dirname(variant: str) -> str:
+    if variant == DEFAULT_VARIANT:
+        return MODEL_DIRNAME
+    return f"tiny-{variant}-v{FORMAT_VERSION}"
+
+
+def default_model_path(variant: str = DEFAULT_VARIANT) -> Path:
     """Where the model lives when no path is given.
 
     ``$VLLM_OUTPUT_RATE_CACHE`` wins so tests and CI can isolate the cache;
     otherwise follow the XDG base-directory convention (empty means unset).
     """
+    dirname = _dirname(_check_variant(variant))
     override = os.environ.get("VLLM_OUTPUT_RATE_CACHE")
     if override:
-        return Path(override).expanduser() / MODEL_DIRNAME
+        return Path(override).expanduser() / dirname
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "vllm-output-rate" / MODEL_DIRNAME
+    return Path(xdg).expanduser() / "vllm-output-rate" / dirname
+
+
+def _check_variant(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"unknown tiny model variant {variant!r}; choose from {sorted(VARIANTS)}"
+        )
+    return variant
 
 
 def _library_versions() -> dict[str, str]:
@@ -140,8 +172,15 @@ def _library_versions() -> dict[str, str]:
     }
 
 
-def build_spec() -> dict[str, Any]:
+def build_spec(variant: str = DEFAULT_VARIANT) -> dict[str, Any]:
     """Everything the build output depends on; its hash goes in the marker."""
+    spec = _base_spec()
+    if variant != DEFAULT_VARIANT:
+        spec["variant"] = {"name": variant, **VARIANTS[_check_variant(variant)]}
+    return spec
+
+
+def _base_spec() -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "seed": SEED,
@@ -154,18 +193,18 @@ def build_spec() -> dict[str, Any]:
     }
 
 
-def spec_hash() -> str:
-    blob = json.dumps(build_spec(), sort_keys=True).encode()
+def spec_hash(variant: str = DEFAULT_VARIANT) -> str:
+    blob = json.dumps(build_spec(variant), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Path, variant: str = DEFAULT_VARIANT) -> bool:
     """True if ``path`` holds a finished build of the current recipe."""
     try:
         marker = json.loads((path / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("spec_hash") == spec_hash()
+    return isinstance(marker, dict) and marker.get("spec_hash") == spec_hash(variant)
 
 
 def train_tokenizer() -> PreTrainedTokenizerFast:
@@ -213,18 +252,35 @@ def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
     }
 
 
-def save_model(directory: Path, vocab_size: int, ids: dict[str, int]) -> None:
+def save_model(
+    directory: Path,
+    vocab_size: int,
+    ids: dict[str, int],
+    variant: str = DEFAULT_VARIANT,
+) -> None:
     """Save a seeded random ``LlamaForCausalLM`` and its generation config."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, **MODEL_SHAPE, **ids)
+    changes = VARIANTS[_check_variant(variant)]
+    shape = dict(MODEL_SHAPE)
+    if "tie_word_embeddings" in changes:
+        shape["tie_word_embeddings"] = changes["tie_word_embeddings"]
+    config = LlamaConfig(vocab_size=vocab_size, **shape, **ids)
     # Seed right before construction: weight init is the only RNG consumer,
     # which makes the safetensors file byte-identical across builds.  fork_rng
     # restores the caller's RNG state afterwards (e.g. a test's own seed).
     with _RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        if changes.get("zero_layer_outputs"):
+            # Each layer then adds nothing to the residual stream.
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        if "embed_scale" in changes:
+            model.model.embed_tokens.weight.mul_(changes["embed_scale"])
     model.save_pretrained(directory, safe_serialization=True)
     GenerationConfig(**ids).save_pretrained(directory)
 
@@ -237,24 +293,24 @@ def _file_digests(directory: Path) -> dict[str, str]:
     }
 
 
-def _write_marker(directory: Path) -> None:
+def _write_marker(directory: Path, variant: str) -> None:
     # Written last: its presence is what makes a folder count as complete.
-    marker = {"spec_hash": spec_hash(), "files": _file_digests(directory)}
+    marker = {"spec_hash": spec_hash(variant), "files": _file_digests(directory)}
     (directory / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True))
 
 
-def _build_into(directory: Path) -> None:
+def _build_into(directory: Path, variant: str) -> None:
     tokenizer = train_tokenizer()
     tokenizer.save_pretrained(directory)
-    save_model(directory, len(tokenizer), _token_ids(tokenizer))
-    _write_marker(directory)
+    save_model(directory, len(tokenizer), _token_ids(tokenizer), variant)
+    _write_marker(directory, variant)
 
 
 def _discard(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _install(staging: Path, target: Path, *, force: bool) -> None:
+def _install(staging: Path, target: Path, *, force: bool, variant: str) -> None:
     """Move a finished ``staging`` folder to ``target`` by rename.
 
     A rename is atomic, so no reader ever sees a half-written folder (while a
@@ -269,7 +325,7 @@ def _install(staging: Path, target: Path, *, force: bool) -> None:
             return
         except OSError as exc:
             last_error = exc
-        if is_complete(target) and not force:
+        if is_complete(target, variant) and not force:
             _discard(staging)
             return
         # Stale, incomplete or forced: move it aside, then retry the rename.
@@ -280,14 +336,20 @@ def _install(staging: Path, target: Path, *, force: bool) -> None:
     raise RuntimeError(f"could not install tiny model at {target}") from last_error
 
 
-def build_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
+def build_tiny_model(
+    path: Path | None = None,
+    *,
+    force: bool = False,
+    variant: str = DEFAULT_VARIANT,
+) -> Path:
     """Build the tiny model at ``path`` (default: ``default_model_path()``).
 
     Returns the model folder.  Does nothing if a complete build of the same
     recipe is already there, unless ``force`` is true.
     """
-    target = Path(path) if path is not None else default_model_path()
-    if not force and is_complete(target):
+    _check_variant(variant)
+    target = Path(path) if path is not None else default_model_path(variant)
+    if not force and is_complete(target, variant):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # A sibling on the same filesystem, so the final rename is atomic; a
@@ -296,8 +358,8 @@ def build_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
     # mkdtemp makes the folder private (0700); a shared cache should be readable.
     staging.chmod(0o755)
     try:
-        _build_into(staging)
-        _install(staging, target, force=force)
+        _build_into(staging, variant)
+        _install(staging, target, force=force, variant=variant)
     finally:
         _discard(staging)  # no-op after a successful rename
     return target
@@ -310,8 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--path", type=Path, default=None, help="model folder")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    parser.add_argument(
+        "--variant", choices=sorted(VARIANTS), default=DEFAULT_VARIANT, help="model"
+    )
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.path, force=args.force))
+    print(build_tiny_model(args.path, force=args.force, variant=args.variant))
     return 0
 
 

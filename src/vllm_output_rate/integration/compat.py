@@ -40,23 +40,24 @@ def check_vllm_version(version: str | None = None) -> str:
     return version
 
 
-def check_supported_config(vllm_config: VllmConfig, *, store: bool = False) -> None:
-    """Reject engine settings that would break the per-user accounting.
+def refused_options(vllm_config: VllmConfig, *, store: bool = False) -> list[str]:
+    """The engine settings that per-user limits cannot be combined with.
 
-    The reasons follow the specification: speculative decoding samples several
-    tokens per step but a request is charged one; without a shared store
-    (``store``), every data-parallel rank would keep its own budget for the
-    same user; the other modes change how steps are split, skipped or
-    preempted in ways this scheduler does not cover.
+    Each reason says why and what would lift it. Lifted (see
+    docs/architecture.md, "Engine modes"): speculative decoding (a step is
+    charged the most it can emit, the rest is given back), pipeline
+    parallelism (any number of steps in flight), hybrid and attention-free
+    (Mamba) models (the hold-back ends on a state block boundary),
+    multimodal models (the hold-back never splits an unsplittable
+    placeholder), KV offloading and KV connectors (a new request whose KV
+    may come from outside is not admitted while throttled), LoRA (resident
+    adapters count against --max-loras), data parallelism with a shared
+    store (``store``: the ranks lease one budget per user).
     """
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
+    scheduler = vllm_config.scheduler_config
     rejections: list[tuple[bool, str]] = [
-        (
-            vllm_config.speculative_config is not None,
-            "speculative decoding (--speculative-config): a step can emit several "
-            "tokens per request but the limiter charges one",
-        ),
         (
             parallel.data_parallel_size > 1 and not store,
             f"--data-parallel-size {parallel.data_parallel_size} without "
@@ -65,46 +66,48 @@ def check_supported_config(vllm_config: VllmConfig, *, store: bool = False) -> N
             "one budget through Redis/Valkey)",
         ),
         (
-            parallel.pipeline_parallel_size > 1,
-            f"--pipeline-parallel-size {parallel.pipeline_parallel_size}: several "
-            "micro-batches in flight are not covered by the skip/preempt logic",
-        ),
-        (
-            model is not None and model.is_multimodal_model,
-            "multimodal models: encoder inputs are not covered",
-        ),
-        (
             model is not None and model.is_encoder_decoder,
-            "encoder-decoder models are not covered",
+            "encoder-decoder models: the encoder input is scheduled with the "
+            "first decoder chunk, which the hold-back and the skip are not "
+            "verified against (lifted by scheduler tests of such requests)",
         ),
-        (model is not None and model.is_hybrid, "hybrid (Mamba) models"),
         (
-            model is not None and model.is_attention_free,
-            "attention-free models are not covered",
+            model is not None and model.is_diffusion,
+            "diffusion models: a step emits a canvas of tokens, not sampled "
+            "tokens, so what a step delivers is not what is charged",
         ),
-        (model is not None and model.is_diffusion, "diffusion models"),
         (
             model is not None and model.runner_type == "pooling",
-            "pooling models produce no output tokens",
-        ),
-        (
-            vllm_config.kv_transfer_config is not None,
-            "KV connectors (--kv-transfer-config) change the KV lifecycle",
+            "pooling models produce no output tokens: there is nothing to limit",
         ),
         (
             vllm_config.ec_transfer_config is not None,
-            "EC connectors (--ec-transfer-config) change the encoder cache lifecycle",
+            "EC connectors (--ec-transfer-config): encoder outputs fetched from "
+            "another instance are not verified against the hold-back and the "
+            "skip (lifted by scheduler tests with such a connector)",
         ),
         (
             vllm_config.aux_output_config.enabled,
-            "auxiliary output connectors",
+            "auxiliary output connectors: not verified against the skip of "
+            "throttled requests",
         ),
         (
-            vllm_config.cache_config.kv_offloading_size is not None,
-            "KV offloading (--kv-offloading-size) changes the KV lifecycle",
+            getattr(scheduler, "prefill_schedule_interval", 1) > 1,
+            f"--prefill-schedule-interval "
+            f"{getattr(scheduler, 'prefill_schedule_interval', 1)}: vLLM 0.33 "
+            "holds every prefill back while a running request decodes, and "
+            "throttled residents count as decoding, so a new user's first "
+            "token would wait for throttled users' tokens (on vLLM 0.32 it "
+            "only applies with data parallelism)",
         ),
     ]
-    reasons = [reason for rejected, reason in rejections if rejected]
+    return [reason for rejected, reason in rejections if rejected]
+
+
+def check_supported_config(vllm_config: VllmConfig, *, store: bool = False) -> None:
+    """Raise OutputRateConfigError naming every refused setting (``store``:
+    a shared budget store is configured)."""
+    reasons = refused_options(vllm_config, store=store)
     if reasons:
         raise OutputRateConfigError(
             "per-user output rate limiting (--default-user-output-tokens-per-second)"

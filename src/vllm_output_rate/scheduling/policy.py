@@ -36,6 +36,18 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
 
 ``update_from_output`` never touches the limiter, which keeps asynchronous
 scheduling possible.
+
+With speculative decoding a sampling chunk is charged the most it can emit
+(one token plus its drafts, which are trimmed first to the user's budget),
+each user's reservation is sized to that, and the tokens the user did not
+receive (rejected drafts, a stop, an abort) go back at the start of a later
+step, before its reservation (``speculative.py``). What hybrid, multimodal,
+KV-connector and LoRA engines ask of the hold-back and of admission is in
+``engine_modes.py``.
+
+Over 400 lines because it is the one place that holds a step's decisions and
+state; every rule that can stand alone (budgets, demand, ordering, engine
+modes, speculative accounts, statistics) is in its own module.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +82,11 @@ from vllm_output_rate.scheduling.demand import (
     user_of,
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
+from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
 from vllm_output_rate.scheduling.residency import Residency, StepSlots
+from vllm_output_rate.scheduling.speculative import SpeculativeLedger
 from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import (
@@ -109,6 +124,9 @@ class OutputRatePolicy:
         chunked_prefill: bool,
         prefix_caching: bool,
         logger: logging.Logger,
+        num_spec_tokens: int = 0,
+        late_outputs: bool = False,
+        modes: EngineModes | None = None,
     ) -> None:
         self.settings = settings
         self._host = host
@@ -116,7 +134,21 @@ class OutputRatePolicy:
         # --max-num-active-seqs; vLLM's own attribute is raised per step.
         self.active_cap = host.max_num_active_reqs
         self._chunked_prefill = chunked_prefill
-        self._prefix_caching = prefix_caching
+        # Where a held-back prefill may stop, what may be admitted while
+        # throttled, --max-loras (hybrid, multimodal, KV connectors, LoRA).
+        self.modes = replace(
+            modes or EngineModes(),
+            chunked_prefill=chunked_prefill,
+            prefix_caching=prefix_caching,
+            hash_block_size=host.hash_block_size,
+        )
+        # Speculative decoding's accounts (None without it). `late_outputs`:
+        # a step's output can arrive after the next step was scheduled.
+        self.speculative = (
+            SpeculativeLedger(num_spec_tokens, late_refunds=late_outputs)
+            if num_spec_tokens > 0
+            else None
+        )
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         self.demand = Demand()
         self.first_tokens = FirstTokens()
@@ -156,7 +188,9 @@ class OutputRatePolicy:
     def use_limiter(self, limiter: Budget) -> None:
         """Account against ``limiter`` from the next step on."""
         self.limiter = limiter
-        self.budget = StepBudget(limiter, self._host.max_num_running_reqs)
+        spec = self.speculative
+        per_request = spec.tokens_per_request if spec is not None else 1
+        self.budget = StepBudget(limiter, self._host.max_num_running_reqs * per_request)
         # Leases from a shared store are synchronised between steps.
         self.leases = limiter if isinstance(limiter, LeasedLimiter) else None
         if self.leases is not None:
@@ -198,9 +232,18 @@ class OutputRatePolicy:
         self.step += 1
         if self._limits_file and self._limits_file.poll(self.limiter):
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
-        demand = self.demand.count_unfinished(host.finished_req_ids, host.requests)
+        spec = self.speculative
+        if spec is not None:
+            self._give_back_undelivered(spec)
+        demand: Mapping[str, int] = self.demand.count_unfinished(
+            host.finished_req_ids, host.requests
+        )
         if self.leases is not None:
             self.leases.between_steps(demand, self.demand.generation)
+        if spec is not None:
+            per_request = spec.tokens_per_request
+            demand = {user: n * per_request for user, n in demand.items()}
+            spec.charges.clear()
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
         self._active_in_step = 0
@@ -222,11 +265,23 @@ class OutputRatePolicy:
 
     def end_step(self, output: SchedulerOutput, fast: bool) -> None:
         """Charge and refund the step's tokens, and keep statistics."""
+        now_ns = self.limiter.now_ns()
+        served: Mapping[str, int]
         if fast:
-            served, undispatched = self._charge_dispatched(output), NOTHING
+            served, undispatched = self._charge_dispatched(output, now_ns), NOTHING
         else:
             served, undispatched = self._sort_charged(output)
-        self._settle(output, served, undispatched)
+            if self.speculative is not None:
+                host = self._host
+                self.speculative.record_step(
+                    self.step,
+                    now_ns,
+                    output,
+                    host.requests,
+                    inflight_prefills(host),
+                    self.speculative.charges,
+                )
+        self._settle(output, served, undispatched, now_ns)
         if self.slots is not None:
             self.residency.scanned(self.slots)
         if output.preempted_req_ids or self.residency.recomputing:
@@ -237,6 +292,23 @@ class OutputRatePolicy:
             )
             if recomputed:
                 self.stats.record_recomputed(recomputed)
+
+    def _give_back_undelivered(self, spec: SpeculativeLedger) -> None:
+        """Speculative decoding: return the tokens charged for reported steps
+        that their users did not receive (before this step's reservation)."""
+        limiter = self.limiter
+        refunds = spec.refunds()
+        for user, count, later_takes in refunds.late:
+            limiter.refund_late(user, count, later_takes)
+        if refunds.plain:
+            limiter.refund_many(refunds.plain)
+        if spec.undercharged:
+            self._logger.warning(
+                "Users received more tokens than they were charged: %s",
+                dict(spec.undercharged),
+            )
+            for user, count in spec.undercharged.items():
+                limiter.take_up_to(user, count)
 
     # ----- resident slots and KV blocks (residency.py) --------------------
 
@@ -387,12 +459,21 @@ class OutputRatePolicy:
             for request in preempted:
                 waiting.add_request(request)
 
-    def _charge_dispatched(self, output: SchedulerOutput) -> Mapping[str, int]:
+    def _charge_dispatched(
+        self, output: SchedulerOutput, now_ns: int
+    ) -> Mapping[str, int]:
         """Fast path: charge each user the sampling chunks dispatched."""
         host = self._host
-        served = self.demand.count_sampled(
-            output.num_scheduled_tokens, inflight_prefills(host), host.requests
-        )
+        served: Mapping[str, int]
+        if self.speculative is not None:
+            # The most each chunk can emit (it may carry draft tokens).
+            served = self.speculative.record_step(
+                self.step, now_ns, output, host.requests, inflight_prefills(host), None
+            )
+        else:
+            served = self.demand.count_sampled(
+                output.num_scheduled_tokens, inflight_prefills(host), host.requests
+            )
         if not self.budget.spend_counts(served):
             self._logger.warning(
                 "A step dispatched more tokens than it reserved: %s", served
@@ -404,14 +485,17 @@ class OutputRatePolicy:
     ) -> tuple[Counter[str], Counter[str]]:
         """Split the tokens the hook charged into dispatched and not."""
         scheduled = output.num_scheduled_tokens
+        spec = self.speculative
+        charges = spec.charges if spec is not None else None
         served: Counter[str] = Counter()
         undispatched: Counter[str] = Counter()
         for request_id, request in self._charged.items():
+            count = charges[request_id] if charges is not None else 1
             if request_id in scheduled:
                 setattr(request, LAST_SERVED_ATTR, self.step)
-                served[user_of(request)] += 1
+                served[user_of(request)] += count
             else:
-                undispatched[user_of(request)] += 1
+                undispatched[user_of(request)] += count
         return served, undispatched
 
     def _settle(
@@ -419,21 +503,31 @@ class OutputRatePolicy:
         output: SchedulerOutput,
         served: Mapping[str, int],
         undispatched: Mapping[str, int],
+        now_ns: int,
     ) -> None:
         """The single refund point, plus bookkeeping for the next step."""
         host = self._host
-        now_ns = self.limiter.now_ns()
+        spec = self.speculative
         if self._last_step_ns is not None:
             interval = min(now_ns - self._last_step_ns, MAX_STEP_INTERVAL_NS)
             self._step_interval_ns += (interval - self._step_interval_ns) // 8
         self._last_step_ns = now_ns
         self._user_last_served.update(dict.fromkeys(served, self.step))
+        # What users received: with speculative decoding, known only for
+        # the steps reported since the last step.
+        received = served if spec is None else spec.delivered
         if self.dispatch_log:
-            self.dispatch_log.record(now_ns, served)
+            if spec is None:
+                self.dispatch_log.record(now_ns, served)
+            else:
+                for time_ns, tokens in spec.delivered_at:
+                    self.dispatch_log.record(time_ns, tokens)
+        if spec is not None and spec.wants_grants:
+            spec.note_grants(self.step, now_ns, self.budget.kept(undispatched))
         self._wakeup_ns = self.budget.settle(undispatched)
         self.stats.record_step(
             now_ns,
-            served,
+            received,
             undispatched,
             Counter(map(user_of, self.throttled)) if self.throttled else NOTHING,
         )
@@ -476,7 +570,7 @@ class OutputRatePolicy:
         )
         if samples and not self.budget.has_budget(user):
             # No budget: compute the prompt up to the sampling position only.
-            held_back = end - 1 - num_computed_tokens
+            held_back = self.modes.hold_back_end(request, end) - num_computed_tokens
             if not (self._chunked_prefill and held_back > 0):
                 if in_running_loop:
                     # Skipped: it keeps its KV blocks and worker slot but
@@ -495,7 +589,18 @@ class OutputRatePolicy:
                 return 0
             self._active_in_step += 1
         if samples:
-            self.budget.spend(user)
+            count = 1
+            if self.speculative is not None:
+                # The most it can emit: one token plus its drafts, which are
+                # trimmed first to what the user's budget covers.
+                num_new_tokens, count = self.speculative.fit_drafts(
+                    request,
+                    num_new_tokens - (end - num_computed_tokens),
+                    num_new_tokens,
+                    in_running_loop,
+                    self.budget.remaining(user),
+                )
+            self.budget.spend(user, count)
             self._charged[request.request_id] = request
         return num_new_tokens
 
@@ -515,6 +620,8 @@ class OutputRatePolicy:
 
     def admit_waiting(self, request: Request) -> bool:
         """Whether vLLM may try to admit this waiting request now."""
+        if not self.modes.adapter_fits(request, self.step, self._host.running):
+            return False
         user = user_of(request)
         slots = self.slots
         if slots is not None and request.request_id in slots.preempted_ids:
@@ -541,27 +648,13 @@ class OutputRatePolicy:
         # - its prompt does not fit in the free KV blocks (vLLM ends the scan
         #   at a failed allocation).
         return not (
-            self._may_only_run_by_sampling(request)
+            self.modes.may_only_run_by_sampling(request)
             or request.status == RequestStatus.PREEMPTED
             or self._blocks_for(request.num_tokens) > num_free_kv_blocks(self._host)
         )
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._host.block_size)
-
-    def _may_only_run_by_sampling(self, request: Request) -> bool:
-        if not self._chunked_prefill:
-            return True  # the whole prompt runs at once and samples
-        if request.num_tokens - request.num_computed_tokens <= 1:
-            return True
-        # A prefix-cache hit stops at a block boundary and at most one token
-        # before the end; when that boundary is the last token, only the
-        # sampling position is left to compute.
-        return bool(
-            self._prefix_caching
-            and request.num_computed_tokens == 0
-            and (request.num_tokens - 1) % self._host.hash_block_size == 0
-        )
 
     # ----- for the engine loop, operators and observers -------------------
 

@@ -13,6 +13,8 @@ to vLLM's scheduler: ``output_rate``. The overrides here only forward:
   ``_reserve_prefill_lookahead`` stands in for ours, as an instance
   attribute for the duration of the step, which saves a Python call per
   request;
+* ``update_from_output``: with speculative decoding, let the policy count
+  what each request of the reported step received (no limiter call);
 * ``_reserve_prefill_lookahead``: charge, hold back or skip a chunk;
 * ``_handle_blocked_waiting_request``: keep a throttled waiting request
   queued without stopping vLLM's scan.
@@ -27,9 +29,12 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from vllm_output_rate.config import OutputRateSettings
+from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
 from vllm_output_rate.seams import HOOK, check_host
 from vllm_output_rate.store.engine import start_leasing
@@ -66,6 +71,26 @@ class OutputRateMixin(_Host):
             chunked_prefill=vllm_config.scheduler_config.enable_chunked_prefill,
             prefix_caching=vllm_config.cache_config.enable_prefix_caching,
             logger=logger,
+            num_spec_tokens=vllm_config.num_speculative_tokens,
+            # A step's output arrives after the next step was scheduled.
+            late_outputs=isinstance(self, AsyncScheduler)
+            or vllm_config.parallel_config.pipeline_parallel_size > 1,
+            modes=EngineModes(
+                mamba_block_size=(
+                    vllm_config.cache_config.block_size
+                    if self.need_mamba_block_aligned_split
+                    else None
+                ),
+                split_mm_inputs=(
+                    not vllm_config.scheduler_config.disable_chunked_mm_input
+                ),
+                external_kv=vllm_config.kv_transfer_config is not None,
+                max_loras=(
+                    vllm_config.lora_config.max_loras
+                    if vllm_config.lora_config
+                    else None
+                ),
+            ),
         )
         # vLLM's own hook, bound once: the fast path's stand-in for ours.
         self.output_rate.stock_hook = super()._reserve_prefill_lookahead
@@ -110,6 +135,18 @@ class OutputRateMixin(_Host):
             policy.end_step_cleanup(moved_arrivals)
         policy.end_step(output, fast)
         return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        ledger = self.output_rate.speculative
+        if ledger is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        # Bookkeeping only (what each request received), never the limiter.
+        ledger.before_report(scheduler_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        ledger.reported(scheduler_output)
+        return outputs
 
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int

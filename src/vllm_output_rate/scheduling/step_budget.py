@@ -2,11 +2,12 @@
 
 At the start of a step every user with unfinished requests gets a
 reservation from one limiter call (``take_many``), sized to what the user
-could sample at most in the step: one token per unfinished request. Each
-sampling request then spends one token of it with a dictionary update (or
-the scheduler spends a whole step's count at once, ``spend_counts``). At the
-end of the step, everything reserved but not dispatched goes back with one
-``refund`` per user that has something to give back.
+could sample at most in the step: one token per unfinished request (one
+plus the draft tokens with speculative decoding). Each sampling request then
+spends its tokens of it with a dictionary update (or the scheduler spends a
+whole step's count at once, ``spend_counts``). At the end of the step,
+everything reserved but not dispatched goes back with one ``refund`` per
+user that has something to give back.
 
 This is exactly equivalent to one ``try_take`` per sampled token at the
 step's clock reading, but the limiter's work grows with the number of users,
@@ -52,22 +53,26 @@ class StepBudget:
 
     def has_budget(self, user: str) -> bool:
         """Whether ``user`` can still sample a token in this step."""
+        return self.remaining(user) > 0
+
+    def remaining(self, user: str) -> int:
+        """Tokens ``user`` can still be charged in this step (0: refused)."""
         remaining = self._remaining.get(user)
         if remaining is None:
             # Not in the step's demand (the caller's count missed it): ask
             # now, as the reservation would have.
             remaining = self.limiter.take_up_to(user, self._max_tokens_per_step)
             self._reserved[user] = self._remaining[user] = remaining
-        if remaining:
-            return True
-        self.refused_users.add(user)
-        return False
+        if not remaining:
+            self.refused_users.add(user)
+        return remaining
 
-    def spend(self, user: str) -> bool:
-        """Spend one token of ``user``'s allowance; False (refused) if none is left."""
-        if not self.has_budget(user):
+    def spend(self, user: str, count: int = 1) -> bool:
+        """Spend ``count`` tokens of ``user``'s allowance; False (refused,
+        nothing spent) if fewer are left."""
+        if self.remaining(user) < count:
             return False
-        self._remaining[user] -= 1
+        self._remaining[user] -= count
         return True
 
     def spend_counts(self, sampled: Mapping[str, int]) -> bool:
@@ -93,6 +98,16 @@ class StepBudget:
             remaining[user] = left
             self._reserved.setdefault(user, 0)
         return exact
+
+    def kept(self, undispatched: Mapping[str, int]) -> dict[str, int]:
+        """Per user granted at least one token in this step, the tokens it
+        keeps once ``settle(undispatched)`` has given back the rest."""
+        remaining = self._remaining
+        return {
+            user: reserved - min(reserved, remaining[user] + undispatched.get(user, 0))
+            for user, reserved in self._reserved.items()
+            if reserved
+        }
 
     def settle(self, undispatched: Mapping[str, int]) -> int | None:
         """Return unspent and undispatched tokens to the limiter.

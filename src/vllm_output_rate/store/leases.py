@@ -258,6 +258,20 @@ class LeasedLimiter:
         if lease is not None and lease.shared and count > 0:
             lease.used -= count
 
+    def refund_many(self, counts: Mapping[str, int]) -> None:
+        for user, count in counts.items():
+            self.refund(user, count)
+
+    def refund_late(
+        self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
+    ) -> None:
+        """``OutputRateLimiter.refund_late`` at this engine's share (speculative
+        decoding: drafts a later report says were rejected)."""
+        self.pacer.refund_late(user, count, later_takes)
+        lease = self._leases.get(user) if self._shared else None
+        if lease is not None and lease.shared and count > 0:
+            lease.used -= count
+
     def tokens_within(self, user: str, window_ns: int) -> int:
         """At this engine's share of the limit (none while it waits for one)."""
         if user in self._blocked:

@@ -1,0 +1,274 @@
+"""Speculative decoding's accounts: charge the most a step can emit, give
+back what it did not emit.
+
+A decode step that verifies k draft tokens emits between 1 and k + 1 tokens
+(the accepted drafts and one more), and how many is known only after the
+model ran. The policy therefore charges, at dispatch, the most a sampling
+chunk can emit (one token plus its drafts, trimmed first to what the user's
+budget covers) and this module keeps each step's charges per user
+(``record_step``). When vLLM reports the step back (``update_from_output``)
+the scheduler subclass lets the ledger count, around vLLM's own processing,
+the tokens each of the step's requests received (``before_report`` and
+``reported``: bookkeeping only, never a limiter call, so asynchronous
+scheduling keeps working). At the start of the next step, before its
+reservation, the policy gives back what was charged and not received
+(``refunds``): rejected drafts, tokens cut by a stop, a step whose request
+was aborted or had finished meanwhile.
+
+With asynchronous scheduling (or pipeline parallelism) a step is reported
+after later steps already took budget for the same user. Those takes are
+recorded (``note_grants``) and handed to the limiter's ``refund_late``,
+which gives the tokens back without moving the later tokens ahead of their
+slots: the limiter ends exactly where GCRA over the delivered tokens would,
+so the bound ``(W + 0.1) x limit + 1`` holds for what users receive and the
+long-run rate is the limit. The accounting invariant: charges minus refunds
+equal the tokens users received, step by step.
+
+The per-request passes are C-level ``map``s and one plain loop that sums
+per user.
+Requests are vLLM ``Request`` objects; scheduler outputs are vLLM's
+``SchedulerOutput`` (read: ``num_scheduled_tokens``,
+``scheduled_spec_decode_tokens``, ``scheduled_new_reqs``,
+``scheduled_cached_reqs.resumed_req_ids``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
+from operator import attrgetter, sub
+from typing import TYPE_CHECKING
+
+from vllm_output_rate.scheduling.demand import user_of
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+_is_prefill_chunk = attrgetter("is_prefill_chunk")
+# Request.num_output_tokens is len(_output_token_ids) (a seam fact): read
+# the list itself, so the per-request pass makes no Python call.
+_output_token_ids = attrgetter("_output_token_ids")
+_NO_DRAFTS: tuple[int, ...] = ()
+
+
+def per_user(users: Iterable[str], counts: Iterable[int]) -> dict[str, int]:
+    """Sum ``counts`` per user.
+
+    A plain loop: measured faster than a C-level Counter over repeated
+    names (the repeat objects cost more than the loop). A plain dict:
+    Counter's == is a Python-level method, and the policy compares this
+    with the step's reservation."""
+    totals: dict[str, int] = {}
+    get = totals.get
+    for user, count in zip(users, counts):  # noqa: B905 (same lengths)
+        totals[user] = get(user, 0) + count
+    return totals
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's sampling dispatches, until vLLM reports the step back."""
+
+    output: SchedulerOutput  # held, so that its id() stays unique
+    step: int
+    time_ns: int
+    requests: list[Request]
+    users: list[str]
+    charged: dict[str, int]
+    before: list[int] = field(default_factory=list)  # outputs before its report
+
+
+@dataclass(slots=True)
+class Refunds:
+    """What users were charged and did not receive: ``plain`` per user
+    (nothing was taken for them since: the limiter's ``refund_many``), and
+    ``late`` (user, tokens, takes granted since: its ``refund_late``)."""
+
+    plain: dict[str, int] = field(default_factory=dict)
+    late: list[tuple[str, int, list[tuple[int, int]]]] = field(default_factory=list)
+
+
+class SpeculativeLedger:
+    def __init__(self, num_spec_tokens: int, *, late_refunds: bool) -> None:
+        # Tokens one request can be charged in a step: one plus every draft.
+        self.tokens_per_request = 1 + num_spec_tokens
+        # Whether a step can be reported after the next one took budget
+        # (asynchronous scheduling, pipeline parallelism).
+        self._late_refunds = late_refunds
+        # Steps dispatched and not reported yet, by their SchedulerOutput.
+        self._in_flight: dict[int, _Step] = {}
+        # Reported steps with what each user received from them, oldest
+        # first, until the next refund point.
+        self._reported: list[tuple[_Step, dict[str, int]]] = []
+        # user -> [(step, clock_ns, kept)] of the takes granted since the
+        # oldest step in flight (late refunds only).
+        self._grants: dict[str, list[tuple[int, int, int]]] = {}
+        # Charges of this step's requests (request id -> tokens), set by the
+        # policy's hook in steps where it runs.
+        self.charges: dict[str, int] = {}
+        # What the latest refunds() found: tokens received per user, and per
+        # (dispatch time, user) for the dispatch log.
+        self.delivered: dict[str, int] = {}
+        self.delivered_at: list[tuple[int, dict[str, int]]] = []
+        # Received more than charged (would be a bug); the policy charges the
+        # excess after the fact and logs it.
+        self.undercharged: Counter[str] = Counter()
+
+    def unsettled_steps(self) -> int:
+        """Steps in flight, or reported and not settled yet."""
+        return len(self._in_flight) + len(self._reported)
+
+    # ----- dispatch ------------------------------------------------------
+
+    @staticmethod
+    def charge_for(request: Request, num_drafts: int, in_running_loop: bool) -> int:
+        """The most a sampling chunk with ``num_drafts`` draft positions can
+        emit: one token per draft plus one, and never more than the request
+        may still produce. A waiting request's draft positions are vLLM's
+        padding (``-1``), which its rejection sampler always rejects."""
+        if not in_running_loop or num_drafts <= 0:
+            return 1
+        left = int(request.max_tokens - request.num_output_tokens)
+        return max(1, min(1 + num_drafts, left))
+
+    def fit_drafts(
+        self,
+        request: Request,
+        num_drafts: int,
+        num_new_tokens: int,
+        in_running_loop: bool,
+        budget: int,
+    ) -> tuple[int, int]:
+        """Trim a sampling chunk's ``num_drafts`` draft positions to what
+        ``budget`` (at least 1) covers; return the tokens vLLM is to compute
+        for the request and the tokens to charge, and note the charge."""
+        charge = self.charge_for(request, num_drafts, in_running_loop)
+        if charge > budget:
+            # Keep budget - 1 drafts: the chunk then emits at most `budget`
+            # tokens (vLLM schedules the drafts num_new_tokens covers).
+            num_new_tokens -= num_drafts - (budget - 1)
+            charge = self.charge_for(request, budget - 1, in_running_loop)
+        self.charges[request.request_id] = charge
+        return num_new_tokens, charge
+
+    def record_step(
+        self,
+        step: int,
+        time_ns: int,
+        output: SchedulerOutput,
+        requests: Mapping[str, Request],
+        inflight_prefills: Collection[Request],
+        charges: Mapping[str, int] | None,
+    ) -> dict[str, int]:
+        """Keep the step's sampling dispatches; return the tokens charged per
+        user.
+
+        ``charges`` maps the request ids the policy's hook charged to their
+        tokens; None in a fast step, where vLLM's own hook ran and each
+        sampling chunk is charged one token plus the drafts scheduled with
+        it (vLLM's padding of a request just taken from the queue included:
+        given back when the step is reported).
+        """
+        ids = list(output.num_scheduled_tokens)
+        scheduled = list(map(requests.__getitem__, ids))
+        if inflight_prefills:  # some chunks stop short of the end
+            sampling = [not chunk for chunk in map(_is_prefill_chunk, scheduled)]
+            ids = [i for i, samples in zip(ids, sampling, strict=True) if samples]
+            scheduled = list(filterfalse(_is_prefill_chunk, scheduled))
+        if not scheduled:
+            return {}
+        users = list(map(user_of, scheduled))
+        if charges is None:
+            spec = output.scheduled_spec_decode_tokens
+            drafts = map(len, map(spec.get, ids, repeat(_NO_DRAFTS)))
+            counts: Iterable[int] = map((1).__add__, drafts)
+        else:
+            counts = map(charges.get, ids, repeat(0))
+        charged = per_user(users, counts)
+        self._in_flight[id(output)] = _Step(
+            output, step, time_ns, scheduled, users, charged
+        )
+        return charged
+
+    @property
+    def wants_grants(self) -> bool:
+        """Whether a step in flight may be reported after the next take."""
+        return self._late_refunds and bool(self._in_flight)
+
+    def note_grants(self, step: int, clock_ns: int, kept: Mapping[str, int]) -> None:
+        """Record the step's takes (``kept``: tokens kept per user granted
+        any), for the late refunds of steps still in flight."""
+        grants = self._grants
+        for user, count in kept.items():
+            grants.setdefault(user, []).append((step, clock_ns, count))
+
+    # ----- vLLM reports a step back (update_from_output) -------------------
+
+    def before_report(self, output: SchedulerOutput) -> None:
+        """Right before vLLM processes ``output``'s model output."""
+        step = self._in_flight.get(id(output))
+        if step is not None:
+            step.before = list(map(len, map(_output_token_ids, step.requests)))
+
+    def reported(self, output: SchedulerOutput) -> None:
+        """Right after: what each user received from that step."""
+        step = self._in_flight.pop(id(output), None)
+        if step is None:
+            return
+        after = map(len, map(_output_token_ids, step.requests))
+        received = per_user(step.users, map(sub, after, step.before))
+        self._reported.append((step, received))
+
+    # ----- the next refund point ------------------------------------------
+
+    def refunds(self) -> Refunds:
+        """What users were charged and did not receive from the steps
+        reported since the last call (late ones oldest first). Also fills
+        ``delivered``, ``delivered_at`` and ``undercharged``."""
+        self.undercharged = Counter()
+        reported = self._reported
+        self.delivered = reported[0][1] if len(reported) == 1 else {}
+        if len(reported) > 1:
+            self.delivered = dict(sum((Counter(r) for _, r in reported), Counter()))
+        self.delivered_at = [(step.time_ns, received) for step, received in reported]
+        refunds = Refunds()
+        plain, grants = refunds.plain, self._grants
+        for step, received in reported:
+            for user, charged in step.charged.items():
+                owed = charged - received.get(user, 0)
+                if owed > 0:
+                    later = self._later_takes(user, step) if grants else None
+                    if later:
+                        refunds.late.append((user, owed, later))
+                    else:
+                        plain[user] = plain.get(user, 0) + owed
+                elif owed < 0:
+                    self.undercharged[user] -= owed
+        self._reported = []
+        self._prune_grants()
+        return refunds
+
+    def _later_takes(self, user: str, step: _Step) -> list[tuple[int, int]]:
+        return [
+            (clock_ns, kept)
+            for number, clock_ns, kept in self._grants.get(user, ())
+            if number > step.step
+        ]
+
+    def _prune_grants(self) -> None:
+        """Forget takes no step in flight can need (those up to its own)."""
+        if not self._grants:
+            return
+        if not self._in_flight:
+            self._grants.clear()
+            return
+        oldest = min(step.step for step in self._in_flight.values())
+        for user in list(self._grants):
+            kept = [g for g in self._grants[user] if g[0] > oldest]
+            if kept:
+                self._grants[user] = kept
+            else:
+                del self._grants[user]
