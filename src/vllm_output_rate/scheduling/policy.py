@@ -692,6 +692,7 @@ class OutputRatePolicy:
                 limits[label] = limiter.rate_of(label)
         snapshot: dict[str, Any] = {"labels": labels, "limits": limits}
         if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
             snapshot["store"] = self.leases.store_snapshot()
         return snapshot
 
@@ -702,13 +703,17 @@ class OutputRatePolicy:
         users, cursor, total = self.stats.users_page(now_ns, limit, after)
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
-        return {
+        page: dict[str, Any] = {
             "time_s": now_ns / 1e9,
             "default_limit": self.limiter.default_rate,
             "users": users,
             "next": cursor,
             "total": total,
         }
+        if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
+            page["store"] = self.leases.store_snapshot()
+        return page
 
     def idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.
