@@ -158,12 +158,16 @@ def step_cost(url: str, users: int, steps: int) -> dict[str, Any]:
         for i in range(users):
             harness.add(f"user-{i}", prompt_len=4, max_tokens=100_000)
         harnesses[kind] = (harness, refresher)
-    # Prefill, and every user's first lease.
-    for _ in range(5):
-        for harness, refresher in harnesses.values():
+    # Prefill, and every user's first lease: until every request decodes.
+    for kind, (harness, refresher) in harnesses.items():
+        for _ in range(50):
             if refresher is not None:
                 refresher.run_once(now_us=harness.clock.now_ns // 1000)
-            harness.step(10 * MS)
+            output = harness.step(10 * MS)
+            if len(output.num_scheduled_tokens) == users:
+                break
+        else:
+            raise AssertionError(f"{kind}: not every request decodes after 50 steps")
     times: dict[str, list[float]] = {"local": [], "store": []}
     for kind, (harness, _) in harnesses.items():
         scheduler, original = harness.scheduler, harness.scheduler.schedule

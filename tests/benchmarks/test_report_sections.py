@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from benchmarks.report import speculative, store
 
 
@@ -80,3 +82,12 @@ def test_the_speculative_section_judges_each_target(tmp_path: Path) -> None:
     assert text.startswith("## 8. Speculative decoding")
     assert "ours 0.800, stock 0.800 (ratio 1.000)" in text
     assert "bound held" in text
+
+
+def test_the_bound_excess_counts_tokens_beyond_the_bound() -> None:
+    from benchmarks.speculative import bound_excess
+
+    paced = [round(i * 1e9 / 20) for i in range(40)]  # exactly 20 tok/s
+    assert bound_excess(paced, 20) == pytest.approx(-2.0)  # the unused burst
+    crowded = sorted([*paced, paced[10] + 1, paced[10] + 2, paced[10] + 3])
+    assert bound_excess(crowded, 20) == pytest.approx(1.0, abs=1e-6)
