@@ -159,10 +159,9 @@ class FairShare:
                 credit.pop(user, None)
                 continue
             cap = max(1.0, floor * FLOOR_BURST_S)
-            before = credit.get(user, 0.0)
-            if before >= cap:
+            earned = credit.get(user, 0.0) + floor * elapsed / NS_PER_S
+            if earned >= cap:  # a whole burst behind its floor
                 self.below_floor_ns[user] = self.below_floor_ns.get(user, 0) + elapsed
-            earned = before + floor * elapsed / NS_PER_S
             credit[user] = max(0.0, min(cap, earned) - received.get(user, 0))
 
     def forget(self, live: Collection[str]) -> None:

@@ -127,9 +127,7 @@ def share_slots(
         # A waiting user with nothing running gets its first slot ahead of
         # every rank: a user that arrives with budget never waits for others
         # (README, "Nobody waits for a throttled request").
-        heap = [
-            ((u in queues, key_of(u, 0)), u) for u in candidates if available[u]
-        ]
+        heap = [((u in queues, key_of(u, 0)), u) for u in candidates if available[u]]
         heapq.heapify(heap)
         taken: Counter[str] = Counter()
         while heap:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -67,8 +67,11 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import (
     DEFAULT_KEY,
+    FLOORS_KEY,
     USERS_KEY,
+    WEIGHTS_KEY,
     OutputRateSettings,
+    check_floors,
     parse_limits_update,
 )
 from vllm_output_rate.identity import user_or_anonymous
@@ -161,7 +164,11 @@ class OutputRatePolicy:
         )
         self.dispatch_log = DispatchLog.from_env()
         self._limits_file = (
-            LimitsFileWatcher(settings.config_file, logger.warning)
+            LimitsFileWatcher(
+                settings.config_file,
+                logger.warning,
+                capacity=settings.engine_capacity,
+            )
             if settings.config_file
             else None
         )
@@ -234,7 +241,7 @@ class OutputRatePolicy:
         """
         host = self._host
         self.step += 1
-        if self._limits_file and self._limits_file.poll(self.limiter):
+        if self._limits_file and self._limits_file.poll(self.limiter, self.fair):
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
         spec = self.speculative
         if spec is not None:
@@ -595,9 +602,15 @@ class OutputRatePolicy:
         the level to the least-served backlogged user, credit floors."""
         fair = self.fair
         fair.charge(received, self._prompt_tokens(output))
-        backlogged = self._deferred_users
+        backlogged: Collection[str] = self._deferred_users
         if self.slots is not None and self.slots.wanted:
             backlogged = backlogged.union(self.slots.left_waiting())
+        else:
+            host, unfinished = self._host, self.demand.unfinished
+            if len(unfinished) == 1 and len(host.requests) > len(host.running):
+                # One user alone with requests waiting: it is backlogged
+                # (steps of one user do not rank, see _crowded).
+                backlogged = unfinished.keys()
         fair.backlogged(backlogged, self.budget.refused_users)
         fair.credit_floors(now_ns, self.demand.unfinished, received)
 
@@ -734,16 +747,38 @@ class OutputRatePolicy:
         if self.leases is not None:
             self.leases.apply_pending()  # an idle engine takes no steps
         limiter = self.limiter
-        return {DEFAULT_KEY: limiter.default_rate, USERS_KEY: limiter.user_rates}
+        fair = self.fair
+        return {
+            DEFAULT_KEY: limiter.default_rate,
+            USERS_KEY: limiter.user_rates,
+            WEIGHTS_KEY: dict(fair.weights),
+            FLOORS_KEY: dict(fair.floors),
+        }
 
     def update_limits(self, payload: object) -> dict[str, Any]:
         """Apply an admin change from the next step on; all or nothing."""
         update = parse_limits_update(payload)
-        self.limiter.update_rates(
+        limiter, fair = self.limiter, self.fair
+        removed = set(update.remove_users)
+        floors = {u: f for u, f in fair.floors.items() if u not in removed}
+        floors.update(update.user_floors)
+        default = update.default_rate or limiter.default_rate
+
+        def ceiling_of(user: str) -> float:
+            if user in update.user_rates:
+                return update.user_rates[user]
+            if user in removed:
+                return default
+            rate = limiter.user_rates.get(user)
+            return default if rate is None else rate
+
+        check_floors(floors, ceiling_of, self.settings.engine_capacity, FLOORS_KEY)
+        limiter.update_rates(
             default_rate=update.default_rate,
             user_rates=update.user_rates,
             remove_users=update.remove_users,
         )
+        fair.update(update.user_weights, update.user_floors, update.remove_users)
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
         return self.limits()
 
@@ -774,6 +809,7 @@ class OutputRatePolicy:
         users, cursor, total = self.stats.users_page(now_ns, limit, after)
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
+            view.update(self.fair.snapshot(user))
         return {
             "time_s": now_ns / 1e9,
             "default_limit": self.limiter.default_rate,
