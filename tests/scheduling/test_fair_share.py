@@ -280,3 +280,36 @@ def test_ceilings_still_apply_on_top_of_weights(limited) -> None:
     steps = Counter(d.step for d in h.dispatches if d.samples and d.step > 20)
     assert set(steps.values()) == {4}
     h.settle()
+
+
+def test_an_admin_update_changes_weights_and_refuses_floors_beyond_capacity(
+    tiny_model_path: str,
+) -> None:
+    from harness.scheduler_sim import make_scheduler
+    from vllm_output_rate.validation import OutputRateConfigError
+
+    h = make_scheduler(
+        tiny_model_path,
+        limits={
+            "default_user_output_tokens_per_second": 100.0,
+            "engine_capacity_tokens_per_second": 150.0,
+        },
+    )
+    policy = h.scheduler.output_rate
+    shown = policy.update_limits(
+        {"user_output_weight": {"a": 2}, "user_min_output_tokens_per_second": {"a": 90}}
+    )
+    assert shown["user_output_weight"] == {"a": 2.0}
+    assert policy.fair.weight("a") == 2.0 and policy.fair.floors == {"a": 90.0}
+    with pytest.raises(OutputRateConfigError, match="floors sum to 180"):
+        policy.update_limits(
+            {
+                "user_output_tokens_per_second": {"b": 500},
+                "user_min_output_tokens_per_second": {"b": 90},
+            }
+        )
+    assert policy.limiter.user_rates == {} and policy.fair.floors == {"a": 90.0}
+    with pytest.raises(OutputRateConfigError, match="above its limit"):
+        policy.update_limits({"user_min_output_tokens_per_second": {"c": 101}})
+    policy.update_limits({"remove_users": ["a"]})
+    assert policy.fair.weight("a") == 1.0 and policy.fair.floors == {}

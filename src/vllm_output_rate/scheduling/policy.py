@@ -604,7 +604,7 @@ class OutputRatePolicy:
         fair.charge(received, self._prompt_tokens(output))
         backlogged: Collection[str] = self._deferred_users
         if self.slots is not None and self.slots.wanted:
-            backlogged = backlogged.union(self.slots.left_waiting())
+            backlogged = self._deferred_users.union(self.slots.left_waiting())
         else:
             host, unfinished = self._host, self.demand.unfinished
             if len(unfinished) == 1 and len(host.requests) > len(host.running):
