@@ -313,3 +313,39 @@ def test_an_admin_update_changes_weights_and_refuses_floors_beyond_capacity(
         policy.update_limits({"user_min_output_tokens_per_second": {"c": 101}})
     policy.update_limits({"remove_users": ["a"]})
     assert policy.fair.weight("a") == 1.0 and policy.fair.floors == {}
+
+
+def test_metrics_show_weights_virtual_service_and_time_below_floor(limited) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_output_rate.integration.metrics import OutputRateCollector
+
+    h = limited(
+        FAR,
+        weights={"f": 2.0},
+        floors={"f": 300.0},
+        max_num_seqs=8,
+        max_num_active_seqs=2,
+    )
+    for _ in range(4):
+        h.add("f", max_tokens=100_000)
+    for _ in range(100):
+        h.step(STEP_NS)
+    collector = OutputRateCollector()
+    collector.update(h.scheduler.output_rate.metrics_snapshot())
+    registry = CollectorRegistry()
+    registry.register(collector)
+    samples = {
+        (s.name, s.labels.get("user")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert samples[("vllm:output_rate_weight", "f")] == 2.0
+    assert samples[("vllm:output_rate_floor_tokens_per_second", "f")] == 300.0
+    # Output tokens plus prompt tokens at half, over weight 2: as dispatched.
+    dispatched = sum(cost(d.num_tokens - d.samples, d.samples) for d in h.dispatches)
+    assert samples[("vllm:output_rate_virtual_service", "f")] == dispatched / 2
+    below = samples[("vllm:output_rate_below_floor_seconds_total", "f")]
+    assert 0.65 <= below <= 0.75
+    h.settle()

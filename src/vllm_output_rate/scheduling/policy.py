@@ -797,7 +797,15 @@ class OutputRatePolicy:
         for label in labels:
             if label != OTHER_USERS:
                 limits[label] = limiter.rate_of(label)
-        snapshot: dict[str, Any] = {"labels": labels, "limits": limits}
+        fair = self.fair
+        shares = {
+            label: fair.snapshot(label) for label in labels if label != OTHER_USERS
+        }
+        snapshot: dict[str, Any] = {
+            "labels": labels,
+            "limits": limits,
+            "fair_shares": shares,
+        }
         if self.leases is not None:
             snapshot["store"] = self.leases.store_snapshot()
         return snapshot
