@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -39,6 +40,7 @@ from vllm_output_rate.store.settings import (
 from vllm_output_rate.validation import OutputRateConfigError, validate_rate
 
 GROUP_TITLE = "OutputRateLimit"
+T = TypeVar("T")
 
 
 def _rate_arg(text: str) -> float:
@@ -48,25 +50,21 @@ def _rate_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _users_arg(text: str) -> dict[str, float]:
-    try:
-        return parse_user_rates(text, USERS_FLAG)
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _parsed_with(parse: Callable[[str, str], T], flag: str) -> Callable[[str], T]:
+    """An argparse ``type`` from one of config's parsers (errors name ``flag``)."""
+
+    def parse_arg(text: str) -> T:
+        try:
+            return parse(text, flag)
+        except OutputRateConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_arg
 
 
-def _weights_arg(text: str) -> dict[str, float]:
-    try:
-        return parse_user_weights(text, WEIGHTS_FLAG)
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _floors_arg(text: str) -> dict[str, float]:
-    try:
-        return parse_user_rates(text, FLOORS_FLAG)
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_users_arg = _parsed_with(parse_user_rates, USERS_FLAG)
+_weights_arg = _parsed_with(parse_user_weights, WEIGHTS_FLAG)
+_floors_arg = _parsed_with(parse_user_rates, FLOORS_FLAG)
 
 
 def _capacity_arg(text: str) -> float:
