@@ -225,47 +225,15 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     return results
 
 
-# ----- report ------------------------------------------------------------------
+def run(quick: bool, work_dir: Path) -> dict[str, Any]:
+    """Everything above, for ``make bench`` (``benchmarks.suite``)."""
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
 
-
-def markdown(results: dict[str, Any]) -> str:
-    lines = [
-        "| benchmark | figure | target |",
-        "|---|---|---|",
-    ]
-    for size, cost in results["step_cost"].items():
-        lines.append(
-            f"| scheduler step, speculative decoding on, no limit binds ({size}) "
-            f"| ours/stock {cost['ratio']:.2f} ({cost['ours_us']:.0f} vs "
-            f"{cost['stock_us']:.0f} µs) | within 5 % |"
-        )
-    if "servers" in results:
-        srv = results["servers"]
-        for label in srv["stock"]["acceptance"]:
-            ours, stock = (
-                srv["ours"]["acceptance"][label],
-                srv["stock"]["acceptance"][label],
-            )
-            lines.append(
-                f"| draft acceptance of a user below its limit, {label} "
-                f"| ours {ours:.3f}, stock {stock:.3f} (ratio {ours / stock:.3f}) "
-                "| ratio >= 0.98 |"
-            )
-        ours_tp = srv["ours"]["throughput_tok_s"]
-        stock_tp = srv["stock"]["throughput_tok_s"]
-        lines.append(
-            "| throughput with speculation, limits far above demand "
-            f"| ours/stock {ours_tp / stock_tp:.3f} "
-            f"({ours_tp:.0f} vs {stock_tp:.0f} tok/s) | >= 0.98 |"
-        )
-        for figure in srv["accuracy"].values():
-            held = "held" if figure["bound_held"] else "BROKEN"
-            lines.append(
-                f"| delivered/limit with speculation, {figure['limit']} tok/s "
-                "x 4 streams, temperature 1 (engine) "
-                f"| {figure['delivered_per_limit']:.3f}, bound {held} | 1.00-1.02 |"
-            )
-    return "\n".join(lines) + "\n"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "step_cost": step_cost(str(build_tiny_model()), quick),
+        "servers": servers(str(build_tiny_model(variant="echo")), quick, work_dir),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         echo = str(build_tiny_model(variant="echo"))
         results["servers"] = servers(echo, args.quick, work_dir)
         results["work_dir"] = str(work_dir)
-    text = markdown(results)
+    from benchmarks.report.speculative import table
+
+    text = table(results)
     print(text)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

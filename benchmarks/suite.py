@@ -4,8 +4,9 @@ machine and versions, each benchmark's results or why it did not run, how
 busy the rest of the machine was meanwhile, and the servers' start-up times.
 The report (``benchmarks.report``) is made from this dict alone.
 
-Order: ``scheduler_cost`` and ``store`` first (no shared server; ``store``
-starts its own redis-server and engines), then the server benchmarks,
+Order: ``scheduler_cost``, ``store`` and ``speculative`` first (no shared
+server; ``store`` starts its own redis-server and engines, ``speculative``
+its own servers with speculation on), then the server benchmarks,
 which share one pool of servers: each server starts once, before the first
 benchmark that needs it, and stops after the last.
 """
@@ -34,6 +35,7 @@ from benchmarks.throughput import throughput
 ORDER = (
     "scheduler_cost",
     "store",
+    "speculative",
     "throughput",
     "isolation",
     "idle",
@@ -52,6 +54,7 @@ SERVER_BENCHMARKS: dict[str, ServerBenchmark] = {
 SERVERS_NEEDED: dict[str, set[str]] = {
     "scheduler_cost": set(),
     "store": set(),  # starts its own redis-server and engines
+    "speculative": set(),  # starts its own servers (speculation on)
     "throughput": {"stock", "ours"},
     "isolation": {"stock", "ours"},
     "idle": {"stock", "ours", "ours-nowait"},
@@ -73,6 +76,13 @@ def _store(quick: bool, work_dir: Path) -> dict[str, Any]:
 
     with contextlib.redirect_stdout(sys.stderr):
         return store.run(quick=quick, engines=True, work_dir=work_dir / "store")
+
+
+def _speculative(quick: bool, work_dir: Path) -> dict[str, Any]:
+    from benchmarks import speculative
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return speculative.run(quick=quick, work_dir=work_dir / "speculative")
 
 
 def _error(exc: BaseException) -> str:
@@ -146,6 +156,14 @@ def run(
             except Exception as exc:
                 errors["store"] = _error(exc)
             log(f"store: {time.monotonic() - t0:.0f} s")
+        if "speculative" in selected:
+            noise.mark("speculative")
+            t0 = time.monotonic()
+            try:
+                done["speculative"] = _speculative(quick, work_dir)
+            except Exception as exc:
+                errors["speculative"] = _error(exc)
+            log(f"speculative: {time.monotonic() - t0:.0f} s")
         names = [n for n in ORDER if n in selected and n in SERVER_BENCHMARKS]
         if names:
             pool = _servers(names, quick, work_dir, noise, done, errors)

@@ -261,3 +261,17 @@ def test_the_next_vllm_release_has_every_seam() -> None:
     benchmarks import, in the next release's source."""
     source = StaticSource(NEXT_SOURCE)
     assert seams_module.seam_problems(source, also_imports_of=OUR_CODE) == []
+
+
+def test_every_request_field_the_policy_reads_is_checked(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_path: str
+) -> None:
+    h = make_scheduler(tiny_model_path, limits=None)
+    request = h.add("a", prompt_len=8, max_tokens=2)
+    for name in seams_module.REQUEST_FIELDS:
+        assert hasattr(request, name), name
+    monkeypatch.setattr(
+        seams_module, "REQUEST_FIELDS", (*seams_module.REQUEST_FIELDS, "num_cats")
+    )
+    problems = seams_module.seam_problems(LiveSource(), api=False, imports=False)
+    assert problems == ["no longer true: Request keeps num_cats"]

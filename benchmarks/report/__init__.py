@@ -6,7 +6,7 @@ report can be re-rendered from a past run's ``results.json``
 
 ``document`` assembles the file; one module per benchmark (``throughput``,
 ``scheduler_cost``, ``idle``, ``isolation``, ``accuracy``, ``metrics_scrape``,
-``store``) gives its
+``store``, ``speculative``) gives its
 ``TITLE``, its ``summary_rows`` and its ``section`` (Markdown, with its
 figures); ``markdown`` and ``figures`` hold what they share; ``history.md``
 is the hand-kept history table the document ends with.

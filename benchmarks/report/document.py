@@ -24,6 +24,7 @@ from benchmarks.report import (
     isolation,
     metrics_scrape,
     scheduler_cost,
+    speculative,
     store,
     throughput,
 )
@@ -37,8 +38,16 @@ SECTIONS: dict[str, ModuleType] = {
     "accuracy": accuracy,
     "metrics_scrape": metrics_scrape,
     "store": store,
+    "speculative": speculative,
 }
-SERVER_BENCHMARKS = ("throughput", "isolation", "idle", "accuracy", "metrics_scrape")
+SERVER_BENCHMARKS = (
+    "throughput",
+    "isolation",
+    "idle",
+    "accuracy",
+    "metrics_scrape",
+    "speculative",
+)
 HISTORY = Path(__file__).with_name("history.md")
 
 SLOW_STATE_NOTE = (

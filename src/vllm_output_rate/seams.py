@@ -66,6 +66,10 @@ vLLM's own callers do), reads the free KV blocks
 ``max_num_scheduled_tokens``), and closes the waiting scan for a step by
 setting ``max_num_active_reqs`` to 0 (vLLM stops admitting once
 ``len(running)`` reaches it).
+
+Over 400 lines on purpose: every touch of a vLLM internal is listed here,
+in one place, with its check; how a source tree is read is in
+``vllm_source.py``.
 """
 
 from __future__ import annotations
@@ -154,6 +158,20 @@ class SchedulerHost:
 
 
 HOST_ATTRIBUTES = tuple(SchedulerHost.__annotations__)
+# The fields of vLLM's Request the policy reads (and, for arrival_time,
+# moves for one step to order the queue), each set in Request.__init__.
+REQUEST_FIELDS = (
+    "request_id",
+    "status",
+    "num_computed_tokens",
+    "num_output_placeholders",
+    "arrival_time",
+    "priority",
+    "max_tokens",
+    "sampling_params",
+    "lora_request",
+    "mm_features",
+)
 
 
 def inflight_prefills(scheduler: SchedulerHost) -> Collection[Request]:
@@ -215,6 +233,18 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ["self"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", ["self"]),
+    (
+        "vllm.v1.core.sched.request_queue",
+        "RequestQueue.add_request",
+        ["self", "request"],
+    ),
+    (
+        "vllm.v1.core.sched.request_queue",
+        "RequestQueue.remove_requests",
+        ["self", "requests"],
+    ),
+    ("vllm.v1.request", "Request.num_tokens", ["self"]),
+    ("vllm.v1.request", "Request.num_output_tokens", ["self"]),
     (
         "vllm.v1.core.sched.scheduler",
         "Scheduler.update_from_output",
@@ -406,6 +436,12 @@ def seam_problems(
             f"self.{name}{end}" in init.source for end in (" =", ":")
         ):
             problems.append(f"no longer true: Scheduler keeps {name}")
+    request_init = source.function("vllm.v1.request", "Request.__init__")
+    for name in REQUEST_FIELDS:
+        if request_init is None or not any(
+            f"self.{name}{end}" in request_init.source for end in (" =", ":")
+        ):
+            problems.append(f"no longer true: Request keeps {name}")
     for module, path, params in EXPECTED_SIGNATURES:
         function = source.function(module, path)
         if function is None:

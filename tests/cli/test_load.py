@@ -132,6 +132,50 @@ class TestAgainstTheScriptedServer:
         assert "bound exceeded for: a" in capsys.readouterr().err
         assert cli.main([*argv, "--fail-on-bound"]) == 1
 
+    def test_each_user_sends_its_api_key_and_no_file_keeps_it(
+        self, fake_server, tmp_path, capsys
+    ):
+        url, seen = fake_server
+        keys = tmp_path / "keys.yaml"
+        keys.write_text("a: sk-of-a\nb: sk-of-b\n")
+        out_json = tmp_path / "o.json"
+        argv = load(url, "--model", "ok", "--users", "a:1,b:2", "--max-tokens", "3")
+        earlier = len(seen)
+        assert cli.main([*argv, "--api-keys", str(keys), "--json", str(out_json)]) == 0
+        sent = {
+            (r["vllm_xargs"]["output_rate_user"], r["authorization"])
+            for r in seen[earlier:]
+        }
+        assert sent == {("a", "Bearer sk-of-a"), ("b", "Bearer sk-of-b")}
+        assert "sk-of" not in out_json.read_text()
+        assert "sk-of" not in "".join(capsys.readouterr())
+
+    @pytest.mark.parametrize(
+        ("content", "users", "message"),
+        [
+            ("a: sk-a\n", "a:1,b:1", "no key for: b"),
+            ("a: sk-a\n", "a:1,-:1", "no key for: -"),
+            ("a: sk-a\nc: sk-c\n", "a:1", "not in --users: c"),
+        ],
+    )
+    def test_api_keys_that_do_not_match_the_users_exit_2(
+        self, tmp_path, capsys, content, users, message
+    ):
+        keys = tmp_path / "keys.yaml"
+        keys.write_text(content)
+        argv = ["load", "--users", users, "--api-keys", str(keys)]
+        assert cli.main(argv) == 2
+        assert message in capsys.readouterr().err
+
+    @pytest.mark.parametrize("content", ["[a, b]", "a: 3\n", "a: [\n", "a: ''\n"])
+    def test_a_malformed_api_keys_file_exits_2(self, tmp_path, capsys, content):
+        keys = tmp_path / "keys.yaml"
+        keys.write_text(content)
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["load", "--users", "a:1", "--api-keys", str(keys)])
+        assert exc.value.code == 2
+        assert "--api-keys" in capsys.readouterr().err
+
     def test_client_and_server_counts_differ_exit_1(self, fake_server, capsys):
         url, _ = fake_server
         argv = load(url, "--model", "miscount", "--users", "a:1", "--max-tokens", "3")

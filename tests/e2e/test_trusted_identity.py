@@ -287,6 +287,30 @@ def generate(url: str, model: str, key: str | None, user: str | None, n: int):
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
 
 
+def test_the_load_tool_runs_each_user_under_its_own_key(
+    server, tiny_model_path: str
+) -> None:
+    from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
+
+    before = {user: user_tokens(server, user) for user in ("bob", "carol")}
+    spec = LoadSpec(
+        base_url=server,
+        model=tiny_model_path,
+        users=[UserLoad("bob", 2), UserLoad("carol", 1)],
+        max_tokens=8,
+        duration_s=1.0,
+        api_keys={"bob": KEYS["bob"], "carol": KEYS["carol"]},
+    )
+    result = run_load_sync(spec)
+    assert not result.failed_requests
+    time.sleep(1.5)  # the API server's copy of the engine's counters
+    for user in ("bob", "carol"):
+        received = result.user(user).tokens_server
+        assert received > 0
+        assert user_tokens(server, user) - before[user] == received, user
+    assert KEYS["bob"] not in result.to_json()
+
+
 def test_a_spoofed_user_name_does_not_use_that_users_budget(
     server, tiny_model_path
 ) -> None:

@@ -1,8 +1,9 @@
 """A scripted OpenAI-style streaming server on 127.0.0.1, for the load tool's
 client and CLI tests (fast, no vLLM).
 
-``serving()`` yields ``(base_url, requests_seen)``.  The model named in a
-request picks its script:
+``serving()`` yields ``(base_url, requests_seen)`` (each POST's body, with
+its ``path`` and its ``authorization`` header, None when absent).
+The model named in a request picks its script:
 
 - ``ok``: one token per chunk, then a usage chunk and ``[DONE]``;
 - ``multi``: three tokens per chunk;
@@ -75,7 +76,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests_seen.append({"path": self.path, **body})
+        self.server.requests_seen.append(
+            {"path": self.path, "authorization": self.headers["Authorization"], **body}
+        )
         model = body["model"]
         if model == "bad":
             err = {"error": {"message": "bad request: nope", "code": 400}}

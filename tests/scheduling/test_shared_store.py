@@ -108,5 +108,6 @@ def test_our_scheduler_starts_and_stops_its_refresher(
         time.sleep(0.01)
     assert policy.leases.lease_rate("u") == 40.0
     assert policy.metrics_snapshot()["store"]["leases"] == 1
+    assert policy.users_snapshot(10)["store"]["leases"] == 1
     harness.scheduler.shutdown()
     assert not policy.on_close

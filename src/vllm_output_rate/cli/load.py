@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from vllm_output_rate.cli.common import PROG, fail, positive_float, positive_int
 from vllm_output_rate.cli.progress import ProgressLine
@@ -103,6 +104,32 @@ def parse_limits(text: str) -> dict[str | None, float]:
     return limits
 
 
+def read_api_keys(path: str) -> dict[str, str]:
+    """A YAML/JSON file mapping each user name to the API key (plain text)
+    its requests carry; the client's side of the server's keys file."""
+    import yaml
+
+    try:
+        content = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--api-keys {path}: cannot read: {exc.strerror}"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--api-keys {path}: not valid YAML/JSON: {exc}"
+        ) from None
+    if not isinstance(content, dict) or not all(
+        isinstance(user, str) and user and isinstance(key, str) and key
+        for user, key in content.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f"--api-keys {path}: expected a mapping of user name to API key, "
+            'e.g. {"user-a": "sk-a"}'
+        )
+    return dict(content)
+
+
 def add_parser(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> None:
@@ -151,6 +178,15 @@ def add_parser(
     )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of every request")
     p.add_argument(
+        "--api-keys",
+        type=read_api_keys,
+        default=None,
+        metavar="FILE",
+        help="YAML/JSON file mapping each user of --users to its API key, for a "
+        "server with --output-rate-api-keys (each user's requests carry "
+        "'Authorization: Bearer KEY'; keys are never written to --json)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=positive_float,
         default=300.0,
@@ -176,11 +212,22 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--limits names users that are not in --users: {shown}", 2)
     for u in users:
         u.limit = args.limits.get(u.name)
+    keys: dict[str, str] | None = args.api_keys
+    if keys is not None:
+        without = [ANONYMOUS_TOKEN if u.name is None else u.name for u in users]
+        without = [n for n in without if n not in keys]
+        if without:
+            return fail(f"--api-keys has no key for: {', '.join(without)}", 2)
+        extra = sorted(set(keys) - names)
+        if extra:
+            return fail(f"--api-keys names users not in --users: {', '.join(extra)}", 2)
 
     try:
         model = args.model
         if model is None:
-            models = list_models_sync(args.base_url)
+            models = list_models_sync(
+                args.base_url, api_key=next(iter((keys or {}).values()), None)
+            )
             if not models:
                 return fail(f"{args.base_url} serves no models")
             model = models[0]
@@ -193,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
             prompt=args.prompt,
             endpoint=args.endpoint,
             request_timeout_s=args.request_timeout,
+            api_keys=keys,
         )
         total = sum(u.streams for u in users)
         print(

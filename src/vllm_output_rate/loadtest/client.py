@@ -29,8 +29,10 @@ from vllm_output_rate.loadtest.spec import (
     Endpoint,
     LoadSpec,
     UserLoad,
+    any_api_key,
     build_request_body,
     normalize_base_url,
+    request_headers,
     user_label,
 )
 from vllm_output_rate.loadtest.sse import sse_data
@@ -118,13 +120,14 @@ class _Run:
 
     async def stream_loop(self, user: UserLoad, index: int) -> None:
         body = build_request_body(self.spec, user)
+        headers = request_headers(self.spec, user)
         while time.monotonic() < self.deadline:
             record = RequestRecord(user=user.name, stream=index, start_s=self.now())
             self.records.append(record)
             self.in_flight += 1
             try:
                 await asyncio.wait_for(
-                    self._request(body, record), self.spec.request_timeout_s
+                    self._request(body, headers, record), self.spec.request_timeout_s
                 )
             except asyncio.TimeoutError:
                 record.error = (
@@ -139,10 +142,14 @@ class _Run:
                 if remaining > 0:
                     await asyncio.sleep(min(FAILURE_BACKOFF_S, remaining))
 
-    async def _request(self, body: dict[str, Any], record: RequestRecord) -> None:
+    async def _request(
+        self, body: dict[str, Any], headers: dict[str, str], record: RequestRecord
+    ) -> None:
         url = str(self.client.base_url).rstrip("/") + self.path
         try:
-            async with self.client.stream("POST", self.path, json=body) as response:
+            async with self.client.stream(
+                "POST", self.path, json=body, headers=headers
+            ) as response:
                 record.status = response.status_code
                 if response.status_code != 200:
                     raw = await response.aread()
@@ -208,11 +215,15 @@ class _Run:
 
 
 async def _get_models(
-    client: httpx.AsyncClient, base_url: str, timeout_s: float
+    client: httpx.AsyncClient,
+    base_url: str,
+    timeout_s: float,
+    api_key: str | None = None,
 ) -> httpx.Response:
     """``GET /v1/models``; LoadError naming the URL if it cannot be reached."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        return await client.get("/v1/models", timeout=timeout_s)
+        return await client.get("/v1/models", timeout=timeout_s, headers=headers)
     except httpx.TransportError as exc:
         raise LoadError(
             f"could not reach the vLLM server at {base_url}/v1/models "
@@ -222,13 +233,16 @@ async def _get_models(
 
 
 async def preflight(
-    client: httpx.AsyncClient, base_url: str, model: str | None
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str | None,
+    api_key: str | None = None,
 ) -> None:
     """Check that the server answers; if it lists models, that ``model`` is one.
 
     Raises LoadError naming the URL that could not be reached.
     """
-    response = await _get_models(client, base_url, PREFLIGHT_TIMEOUT_S)
+    response = await _get_models(client, base_url, PREFLIGHT_TIMEOUT_S, api_key)
     if model is None or response.status_code != 200:
         return
     with contextlib.suppress(ValueError, TypeError, AttributeError):
@@ -241,13 +255,16 @@ async def preflight(
 
 
 async def list_models(
-    base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
+    base_url: str,
+    timeout_s: float = PREFLIGHT_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> list[str]:
-    """Model ids from ``GET {base_url}/v1/models``; LoadError if unreachable."""
+    """Model ids from ``GET {base_url}/v1/models``; LoadError if unreachable
+    (``api_key``: for a server that wants one on every route)."""
     base = normalize_base_url(base_url)
     url = f"{base}/v1/models"
     async with httpx.AsyncClient(base_url=base) as client:
-        response = await _get_models(client, base, timeout_s)
+        response = await _get_models(client, base, timeout_s, api_key)
     if response.status_code != 200:
         raise LoadError(
             f"{url} answered {_http_error_text(response.status_code, response.content)}"
@@ -259,9 +276,11 @@ async def list_models(
 
 
 def list_models_sync(
-    base_url: str, timeout_s: float = PREFLIGHT_TIMEOUT_S
+    base_url: str,
+    timeout_s: float = PREFLIGHT_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> list[str]:
-    return asyncio.run(list_models(base_url, timeout_s))
+    return asyncio.run(list_models(base_url, timeout_s, api_key))
 
 
 async def run_load(
@@ -293,7 +312,7 @@ async def run_load(
     async with httpx.AsyncClient(
         base_url=base, timeout=timeout, limits=limits
     ) as client:
-        await preflight(client, base, spec.model)
+        await preflight(client, base, spec.model, any_api_key(spec))
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run = _Run(spec, client, time.monotonic())
         tasks = [

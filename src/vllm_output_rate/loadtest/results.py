@@ -84,6 +84,7 @@ class LoadResult:
 
     def to_dict(self, include_chunks: bool = True) -> dict[str, Any]:
         spec = asdict(self.spec)
+        spec.pop("api_keys", None)  # secrets stay out of result files
         records = []
         for r in self.records:
             d = r.to_dict()

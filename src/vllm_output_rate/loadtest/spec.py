@@ -10,7 +10,7 @@ Everything here is pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 USER_FIELD = "output_rate_user"
@@ -59,6 +59,11 @@ class LoadSpec:
     ``vllm_xargs``, if any, is merged with the user's).  ``return_token_ids``
     asks vLLM for the token ids of each chunk, which makes the client's token
     count exact; see the package docstring.
+
+    ``api_keys`` maps a user name to the API key its requests carry
+    (``Authorization: Bearer KEY``), for a server with trusted identity
+    (``--output-rate-api-keys``): there the key, not ``output_rate_user``,
+    names the user. Keys are never written to the results.
     """
 
     base_url: str
@@ -72,6 +77,7 @@ class LoadSpec:
     request_timeout_s: float = 300.0
     extra_body: dict[str, Any] | None = None
     return_token_ids: bool = True
+    api_keys: dict[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.base_url = str(self.base_url)
@@ -92,6 +98,9 @@ class LoadSpec:
             raise ValueError(
                 f"request_timeout_s must be > 0, got {self.request_timeout_s}"
             )
+        unknown = sorted(set(self.api_keys or {}) - {u.name for u in self.users})
+        if unknown:
+            raise ValueError(f"api_keys names users not in the load: {unknown}")
         if self.endpoint not in ENDPOINT_PATHS:
             raise ValueError(
                 f"endpoint must be one of {sorted(ENDPOINT_PATHS)}, "
@@ -120,6 +129,17 @@ def normalize_base_url(base_url: str) -> str:
     if url.endswith("/v1"):
         url = url[: -len("/v1")]
     return url
+
+
+def request_headers(spec: LoadSpec, user: UserLoad) -> dict[str, str]:
+    """The HTTP headers of every request a stream of ``user`` sends."""
+    key = (spec.api_keys or {}).get(user.name) if user.name is not None else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def any_api_key(spec: LoadSpec) -> str | None:
+    """A key for the server's non-generating routes (the model list)."""
+    return next(iter((spec.api_keys or {}).values()), None)
 
 
 def build_request_body(spec: LoadSpec, user: UserLoad) -> dict[str, Any]:

@@ -807,6 +807,7 @@ class OutputRatePolicy:
             "fair_shares": shares,
         }
         if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
             snapshot["store"] = self.leases.store_snapshot()
         return snapshot
 
@@ -818,13 +819,17 @@ class OutputRatePolicy:
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
             view.update(self.fair.snapshot(user))
-        return {
+        page: dict[str, Any] = {
             "time_s": now_ns / 1e9,
             "default_limit": self.limiter.default_rate,
             "users": users,
             "next": cursor,
             "total": total,
         }
+        if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
+            page["store"] = self.leases.store_snapshot()
+        return page
 
     def idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.

@@ -61,6 +61,10 @@ engine serves its leases until they expire and then every user at its
 fallback share (``limit x fallback_share``, by default ``limit / the number
 of engines it last saw``), which sums to the limit when every engine
 falls back together.
+
+Over 400 lines: the proof above, and one class whose two halves (the
+scheduler's calls, the refresher's rounds) share one lock-guarded state;
+the store's side is in ``redis_store.py``, the thread in ``refresher.py``.
 """
 
 from __future__ import annotations

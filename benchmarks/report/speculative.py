@@ -1,0 +1,114 @@
+"""Section 8 of the report: speculative decoding with limits, ours against
+stock (``benchmarks.speculative``'s results)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TITLE = "8. Speculative decoding"
+ABOUT = (
+    'n-gram speculation, 4 draft tokens, on the tiny "echo" model (it '
+    "predicts its input token, so drafts are accepted). Step cost: one "
+    "scheduler step with speculation on and no limit binding, ours / stock on "
+    "vLLM's real scheduler (synthetic drafts and acceptance), median over "
+    "rounds. On real servers, stock and ours in turn: draft acceptance of a "
+    "user far below its limit (vLLM's own counters), greedy and at "
+    "temperature 1; output tokens/s of 8 streams far below their limits; and "
+    "on ours, users limited to 20 and 100 tok/s with 4 streams each at "
+    "temperature 1 (drafts rejected): delivered / limit from the engine's "
+    "dispatch log (the tokens each user received, at their step's dispatch) "
+    "and the bound `(W + 0.1) x limit + 1` on every window."
+)
+STEP_TARGET = 1.05
+RATIO_TARGET = 0.98
+DELIVERED_RANGE = (1.00, 1.02)
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(benchmark, target, measured, met) for the report's summary table."""
+    costs = [cost["ratio"] for cost in results["step_cost"].values()]
+    rows: list[tuple[str, str, str, bool | None]] = [
+        (
+            "8. speculative: scheduler step, no limit binds",
+            f"ours / stock <= {STEP_TARGET:g}",
+            f"{min(costs):.3f}-{max(costs):.3f}",
+            max(costs) <= STEP_TARGET,
+        )
+    ]
+    srv = results.get("servers")
+    if srv:
+        ratios = [
+            srv["ours"]["acceptance"][label] / srv["stock"]["acceptance"][label]
+            for label in srv["stock"]["acceptance"]
+        ]
+        throughput = srv["ours"]["throughput_tok_s"] / srv["stock"]["throughput_tok_s"]
+        delivered = [f["delivered_per_limit"] for f in srv["accuracy"].values()]
+        lo, hi = DELIVERED_RANGE
+        rows += [
+            (
+                "8. speculative: draft acceptance below the limit",
+                f"ours / stock >= {RATIO_TARGET:g}",
+                ", ".join(f"{r:.3f}" for r in ratios),
+                min(ratios) >= RATIO_TARGET,
+            ),
+            (
+                "8. speculative: throughput, limits far above demand",
+                f"ours / stock >= {RATIO_TARGET:g}",
+                f"{throughput:.3f}",
+                throughput >= RATIO_TARGET,
+            ),
+            (
+                "8. speculative: delivered / limit (engine)",
+                f"{lo:.2f}-{hi:.2f}, bound held",
+                ", ".join(f"{d:.3f}" for d in delivered),
+                all(lo <= round(d, 2) <= hi for d in delivered)
+                and all(f["bound_held"] for f in srv["accuracy"].values()),
+            ),
+        ]
+    return rows
+
+
+def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
+    return f"## {TITLE}\n\n{ABOUT}\n\n{table(results)}"
+
+
+def table(results: dict[str, Any]) -> str:
+    """The figures and their targets, one row each."""
+    lines = [
+        "| benchmark | figure | target |",
+        "|---|---|---|",
+    ]
+    for size, cost in results["step_cost"].items():
+        lines.append(
+            f"| scheduler step, speculative decoding on, no limit binds ({size}) "
+            f"| ours/stock {cost['ratio']:.2f} ({cost['ours_us']:.0f} vs "
+            f"{cost['stock_us']:.0f} µs) | within 5 % |"
+        )
+    if "servers" in results:
+        srv = results["servers"]
+        for label in srv["stock"]["acceptance"]:
+            ours, stock = (
+                srv["ours"]["acceptance"][label],
+                srv["stock"]["acceptance"][label],
+            )
+            lines.append(
+                f"| draft acceptance of a user below its limit, {label} "
+                f"| ours {ours:.3f}, stock {stock:.3f} (ratio {ours / stock:.3f}) "
+                "| ratio >= 0.98 |"
+            )
+        ours_tp = srv["ours"]["throughput_tok_s"]
+        stock_tp = srv["stock"]["throughput_tok_s"]
+        lines.append(
+            "| throughput with speculation, limits far above demand "
+            f"| ours/stock {ours_tp / stock_tp:.3f} "
+            f"({ours_tp:.0f} vs {stock_tp:.0f} tok/s) | >= 0.98 |"
+        )
+        for figure in srv["accuracy"].values():
+            held = "held" if figure["bound_held"] else "BROKEN"
+            lines.append(
+                f"| delivered/limit with speculation, {figure['limit']} tok/s "
+                "x 4 streams, temperature 1 (engine) "
+                f"| {figure['delivered_per_limit']:.3f}, bound {held} | 1.00-1.02 |"
+            )
+    return "\n".join(lines) + "\n"
