@@ -11,10 +11,14 @@ from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.ordering import (
     SlotHolders,
     claim_order,
-    fair_order,
     rotate_within_groups,
     share_slots,
 )
+
+
+def fair_order(*args, **kwargs) -> list:
+    """The running list's order alone (no waiting requests)."""
+    return share_slots(*args, **kwargs)[0]
 
 
 @dataclass(frozen=True)

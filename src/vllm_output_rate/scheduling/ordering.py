@@ -1,8 +1,8 @@
 """Who goes first: among resident requests, and for a scarce slot (no vLLM import).
 
-``rotate_within_groups`` and ``share_slots`` (``fair_order``) order the
-running list for a step; both return a new order and leave their input
-untouched. ``share_slots`` hands a scarce step's active slots to the users
+``rotate_within_groups`` and ``share_slots`` order the running list for a
+step; both return a new order and leave their input untouched.
+``share_slots`` hands a scarce step's active slots to the users
 owed most by ``fair_share.FairShare.key`` (weights, virtual service,
 floors), running and waiting requests alike. ``slot_rank`` is the one
 ranking of users for a scarce resident slot or KV blocks: ``claim_order``
@@ -53,21 +53,6 @@ def rotate_within_groups(
             for index, request in zip(indexes, members, strict=True):
                 rotated[index] = request
     return rotated
-
-
-def fair_order(
-    requests: Sequence[R],
-    user_of: Callable[[R], str],
-    last_served_of: Callable[[R], int],
-    key_of: Callable[[str, int], Any],
-    priority_of: Callable[[R], int] | None = None,
-) -> list[R]:
-    """Order requests so that a limited number of active slots goes to the
-    users owed most (``share_slots`` without waiting requests)."""
-    ordered, _ = share_slots(
-        requests, user_of, last_served_of, key_of, priority_of=priority_of
-    )
-    return ordered
 
 
 def share_slots(

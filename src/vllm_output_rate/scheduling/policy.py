@@ -16,8 +16,9 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
    (``residency.py``: throttled residents are preempted for them, throttled
    users do not refill slots ahead of their budget, and the waiting scan is
    closed when nobody waiting can be admitted), then the running list may be
-   reordered (throttled requests last, a user's streams rotated, active
-   slots shared round-robin between users).
+   reordered (throttled requests last, a user's streams rotated, contested
+   active slots handed to the users owed most service, running and waiting
+   requests alike: ``fair_share.py``, ``ordering.share_slots``).
 2. ``on_chunk`` (vLLM's ``_reserve_prefill_lookahead``), for every request
    vLLM sizes a chunk for, except in fast steps: a chunk that reaches the end
    of the sequence samples a token and is charged. Without budget the chunk

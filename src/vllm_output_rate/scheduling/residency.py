@@ -2,7 +2,7 @@
 
 The promise (README, "What it guarantees"): a user with budget is never kept
 waiting by another user's throttled requests, whichever place is scarce:
-active slots (``--max-num-active-seqs``: ``ordering.fair_order``), resident
+active slots (``--max-num-active-seqs``: ``ordering.share_slots``), resident
 slots (``--max-num-seqs``), KV blocks, or its place in the waiting queue.
 
 Before each step in which some limit binds (in a fast step nobody can be
