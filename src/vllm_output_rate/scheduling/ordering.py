@@ -82,7 +82,8 @@ def share_slots(
     resident slots); a waiting user with nothing running takes its first
     slot ahead of every rank. Returns the requests in order and the slots handed to
     waiting requests per user; the caller gives the running requests
-    ``slots`` minus those.
+    ``slots`` minus those. Once ``slots`` are handed out the rest is not
+    ranked (it is deferred in this step): the heap work is O(slots log U).
     """
     waiting = waiting or {}
     classes: dict[int, dict[str, list[R]]] = {}
@@ -116,6 +117,8 @@ def share_slots(
         heapq.heapify(heap)
         taken: Counter[str] = Counter()
         while heap:
+            if slots and picked >= slots:
+                break  # the rest is deferred: no need to rank it
             _, user = heapq.heappop(heap)
             k = taken[user]
             queue = queues.get(user, ())
@@ -130,8 +133,13 @@ def share_slots(
             taken[user] = k + 1
             if k + 1 < available[user]:
                 heapq.heappush(heap, ((True, key_of(user, k + 1)), user))
+        deferred = []
         for user, queue in queues.items():
-            over_limit.extend(queue[min(taken[user], len(queue)) :])
+            rest = queue[min(taken[user], len(queue)) :]
+            within = max(0, min(len(rest), available[user] - taken[user]))
+            deferred.extend(rest[:within])
+            over_limit.extend(rest[within:])
+        ordered.extend(deferred)
     return ordered + over_limit, granted
 
 
