@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks [--quick] [--only NAME ...]
         [--output BENCHMARKS.md] [--figures DIR] [--work-dir DIR]
-    python -m benchmarks --from-results results/bench/STAMP/results.json
+    python -m benchmarks --from-results results/bench/STAMP/results.json [...]
 
 ``make bench`` runs the first form from the checkout's top with ``tests/``
 and the checkout on PYTHONPATH (``make bench BENCH_ARGS="--quick"`` passes
@@ -74,8 +74,10 @@ def _parser(root: Path) -> argparse.ArgumentParser:
     parser.add_argument(
         "--from-results",
         type=Path,
+        nargs="+",
         metavar="RESULTS_JSON",
-        help="measure nothing: write the report from a past run's results.json",
+        help="measure nothing: write the report from past runs' results.json "
+        "(oldest first; a later run's benchmark replaces an earlier one's)",
     )
     return parser
 
@@ -117,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures_dir = (args.figures or output.parent / "docs" / "bench").resolve()
     command = _command(argv)
     if args.from_results:
-        raw = json.loads(args.from_results.read_text())
+        from benchmarks.report.runs import merge
+
+        raw = merge([json.loads(path.read_text()) for path in args.from_results])
         rerendered_by: str | None = command
     else:
         try:

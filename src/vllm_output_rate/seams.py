@@ -377,6 +377,14 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
         "len(self._output_token_ids)",
         "Request.num_output_tokens counts the tokens of its output",
     ),
+    # Seeded requests on CPU (scheduling/engine_modes.py).
+    (
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._bookkeeping_sync",
+        "gen.set_offset(",
+        "vLLM rewinds a seeded request's generator after a chunk that does "
+        "not sample (which a CPU generator cannot)",
+    ),
     # The idle wait (integration/engine_loop.py).
     (
         "vllm.v1.engine.core",

@@ -182,3 +182,35 @@ def test_the_command_re_renders_a_past_run(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as stop:
         main([*argv, "--quick"])
     assert stop.value.code == 2
+
+
+def test_a_report_from_two_runs_takes_each_benchmark_from_its_latest_run(
+    tmp_path: Path,
+) -> None:
+    full = json.loads(FIXTURE.read_text())
+    again = json.loads(FIXTURE.read_text())
+    again.update(
+        command="python -m benchmarks --only idle",
+        benchmarks=["idle"],
+        results={"idle": again["results"]["idle"]},
+        errors={},
+        started_utc="2026-12-02T10:00:00+00:00",
+    )
+    again["results"]["idle"] = {**again["results"]["idle"], "met": False}
+    paths = []
+    for name, run in (("full.json", full), ("again.json", again)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(run))
+    output = tmp_path / "BENCHMARKS.md"
+    assert main(["--from-results", *map(str, paths), "--output", str(output)]) == 0
+    text = output.read_text()
+    assert "Generated from 2 runs of `make bench`" in text
+    assert (
+        "- From `python -m benchmarks --only idle` (quick run, 2026-12-02 10:00" in text
+    )
+    others = [n for n in full["benchmarks"] if n != "idle"]
+    assert f"): {', '.join(others)}" in text  # the first run gives the rest
+    idle_row = next(line for line in text.splitlines() if line.startswith("| 3."))
+    assert idle_row.endswith("| **missed** |")  # the later run's idle
+    for name in others:  # every other section is still there
+        assert document.SECTIONS[name].TITLE in text

@@ -219,8 +219,11 @@ def test_both_servers_keep_serving_while_the_store_is_down(
     for count, witness in zip(
         map(len, dispatched(logs, "u", *window)), witnesses, strict=True
     ):
+        # Never more than the fallback share (+ the burst and one token);
+        # at least most of it, less what the engine itself stalled.
+        assert count <= LIMIT / 2 * (seconds + 0.1) + 1, (count, seconds)
         expected = LIMIT / 2 * (seconds - stalled_s(witness))
-        assert count == pytest.approx(expected, rel=0.2), (count, expected)
+        assert count >= 0.8 * expected, (count, expected)
     # Back on leases: the limit again (the bound is checked below).
     end = t0 + 12 * S
     on_a, on_b = dispatched(logs, "u", marks["up"] + 2 * S, end)
@@ -278,11 +281,17 @@ def test_data_parallel_ranks_share_one_budget(
     """vLLM's CPU build runs --data-parallel-size 2 here (both ranks on core 0,
     which is plenty for the tiny model at these limits). Each rank's scheduler
     leases from the store: one user's streams, spread over both ranks by
-    vLLM's balancer, get one limit, not one per rank."""
+    vLLM's balancer, get one limit, not one per rank. Its own key prefix:
+    the two servers above still share their limits table under the default
+    one, and an engine joining a table adopts it (operations.md)."""
+    section = {
+        "default_user_output_tokens_per_second": 1000,
+        "user_output_tokens_per_second": {"dp-user": LIMIT},
+        "store_url": store.url,
+        "store_key_prefix": "dp-e2e",
+    }
     args = [
-        "--default-user-output-tokens-per-second", "1000",
-        "--user-output-tokens-per-second", json.dumps({"dp-user": LIMIT}),
-        "--output-rate-store", store.url,
+        "--additional-config", json.dumps({"output_rate": section}),
         "--data-parallel-size", "2",
         "--max-num-seqs", "8",
     ]  # fmt: skip

@@ -148,9 +148,8 @@ def app_routes(server, model: str, keys_file: str) -> set[tuple[str, str]]:
     from starlette.routing import Mount, Route, WebSocketRoute
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.plugins import load_general_plugins
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from harness.vllm_cli import vllm_parser
 
     found = re.search(r"Supported tasks: \[(.*?)\]", server.log_text())
     assert found, "the server logs its supported tasks"
@@ -158,8 +157,7 @@ def app_routes(server, model: str, keys_file: str) -> set[tuple[str, str]]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ENV.items():
             patch.setenv(name, value)
-        load_general_plugins()
-        parser = make_arg_parser(FlexibleArgumentParser())
+        parser = vllm_parser()
         args = parser.parse_args(["--model", model, *server_args(keys_file)])
         model_config = EngineArgs.from_cli_args(args).create_model_config()
         app = build_app(args, tasks, model_config)

@@ -141,16 +141,20 @@ class SchedulerHarness:
         extra_args: dict[str, Any] | None = None,
         mm_placeholders: Sequence[tuple[int, int]] = (),
         lora: int | None = None,
+        seed: int | None = None,
     ) -> Request:
         request_id = f"req-{next(self._ids)}"
         if prompt is None:
             # Distinct prompts so that prefix caching does not merge them.
-            seed = len(self.users) + 3
-            prompt = [(seed * 31 + i * 7) % 400 + 10 for i in range(prompt_len)]
+            base = len(self.users) + 3
+            prompt = [(base * 31 + i * 7) % 400 + 10 for i in range(prompt_len)]
         if extra_args is None and user is not None:
             extra_args = {"output_rate_user": user}
         params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=eos_at is None, extra_args=extra_args
+            max_tokens=max_tokens,
+            ignore_eos=eos_at is None,
+            extra_args=extra_args,
+            seed=seed,
         )
         params.update_from_generation_config({}, self.eos_token_id)
         features = [

@@ -14,13 +14,13 @@ from collections import deque
 from importlib.metadata import entry_points
 
 import pytest
-from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
-from vllm.plugins import load_general_plugins
 from vllm.sampling_params import SamplingParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from harness.scheduler_sim import make_scheduler
+from harness.vllm_cli import parse_engine_args, vllm_parser
 from vllm_output_rate.integration import api_validation, engine_loop, engine_setup
 from vllm_output_rate.integration.compat import (
     UnsupportedVllmError,
@@ -30,24 +30,17 @@ from vllm_output_rate.integration.compat import (
 from vllm_output_rate.integration.engine_setup import ASYNC_SCHEDULER, SYNC_SCHEDULER
 from vllm_output_rate.validation import OutputRateConfigError
 
-try:  # vLLM 0.33 moved it
-    from vllm.entrypoints.common.cli_args import make_arg_parser
-except ImportError:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-
 FLAG = "--default-user-output-tokens-per-second"
 USERS = "--user-output-tokens-per-second"
 
 
 @pytest.fixture(scope="module")
 def parser() -> FlexibleArgumentParser:
-    load_general_plugins()
-    return make_arg_parser(FlexibleArgumentParser())
+    return vllm_parser()
 
 
 def engine_config(parser, model: str, *argv: str):
-    args = parser.parse_args(["--model", model, *argv])
-    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    return parse_engine_args(parser, model, *argv)[1]
 
 
 def test_the_plugin_is_registered_and_loads() -> None:

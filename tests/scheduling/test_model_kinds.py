@@ -69,6 +69,21 @@ def test_a_hybrid_prompt_within_one_block_waits_whole(limited) -> None:
     assert chunks(h, late.request_id) == [(HYBRID_BLOCK_SIZE - 10, True)]
 
 
+def test_on_cpu_a_seeded_request_is_never_held_back_partway(limited) -> None:
+    # vLLM rewinds a seeded request's generator after a chunk that does not
+    # sample, and a CPU generator cannot be rewound: the engine would die
+    # (reproduced end to end with a seed and speculative decoding). So on
+    # CPU, a throttled seeded request waits whole, while an unseeded one is
+    # still prefilled up to its sampling position.
+    for seed, expected in ((7, [(100, True)]), (None, [(99, False), (1, True)])):
+        h = limited(2)
+        spend_the_burst(h, "a")
+        late = h.add("a", prompt_len=100, max_tokens=1, seed=seed)
+        h.step(1 * MS)
+        h.run_until_done(10 * MS)
+        assert chunks(h, late.request_id) == expected, seed
+
+
 def test_a_throttled_hybrid_request_keeps_its_state_blocks(limited) -> None:
     h = limited(1, {"b": 1000}, hybrid=True, max_num_seqs=4, max_num_active_seqs=1)
     throttled = h.add("a", prompt_len=100, max_tokens=30)

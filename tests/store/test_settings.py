@@ -7,10 +7,9 @@ import socket
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.plugins import load_general_plugins
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from harness.vllm_cli import parse_engine_args, vllm_parser
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.integration.compat import check_supported_config
 from vllm_output_rate.store.settings import (
@@ -120,13 +119,11 @@ def test_the_limits_file_may_name_the_store(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def parser() -> FlexibleArgumentParser:
-    load_general_plugins()
-    return make_arg_parser(FlexibleArgumentParser())
+    return vllm_parser()
 
 
 def engine_config(parser, model: str, *argv: str):
-    args = parser.parse_args(["--model", model, *argv])
-    return args, AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    return parse_engine_args(parser, model, *argv)
 
 
 def test_flags_reach_the_engine_and_the_password_stays_out_of_logs(

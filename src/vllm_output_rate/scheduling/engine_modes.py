@@ -18,6 +18,12 @@ where a prefill may stop or what may be admitted:
 And one limits admission for everyone: LoRA's ``--max-loras`` counts the
 adapters of every resident request (``max_loras``).
 
+One platform fact too: after a prefill chunk that does not sample, vLLM
+rewinds the request's random generator if it has a seed
+(``gen.set_offset``), which a CPU generator refuses ("CPU Generator does
+not use offset": the engine dies). On CPU (``seeded_partial_prefill`` off)
+a seeded request is therefore never held back partway: it waits whole.
+
 Requests are vLLM ``Request`` objects (read: ``mm_features``,
 ``lora_request``, ``num_tokens``, ``num_computed_tokens``).
 """
@@ -42,6 +48,7 @@ class EngineModes:
     split_mm_inputs: bool = True
     external_kv: bool = False
     max_loras: int | None = None
+    seeded_partial_prefill: bool = True
     # The adapters of the resident requests, computed once per step.
     _resident_loras: tuple[int, set[int]] = field(
         default_factory=lambda: (-1, set()), repr=False
@@ -54,9 +61,14 @@ class EngineModes:
         block boundary (vLLM's invariant: the state slot of block p holds
         the state after exactly (p + 1) x block_size tokens); and none (0)
         when multimodal input must not be chunked and the sampling position
-        is inside a placeholder.
+        is inside a placeholder, or when a seeded request's generator could
+        not be rewound after the chunk.
         """
         stop: int = end - 1
+        if not self.seeded_partial_prefill:
+            params = request.sampling_params
+            if params is not None and params.seed is not None:
+                return 0
         if self.mamba_block_size:
             stop -= stop % self.mamba_block_size
         if not self.split_mm_inputs:

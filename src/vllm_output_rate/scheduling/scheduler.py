@@ -85,6 +85,9 @@ class OutputRateMixin(_Host):
                     not vllm_config.scheduler_config.disable_chunked_mm_input
                 ),
                 external_kv=vllm_config.kv_transfer_config is not None,
+                # vLLM rewinds a seeded request's generator after a chunk
+                # that does not sample; a CPU generator cannot be rewound.
+                seeded_partial_prefill=(vllm_config.device_config.device_type != "cpu"),
                 max_loras=(
                     vllm_config.lora_config.max_loras
                     if vllm_config.lora_config
