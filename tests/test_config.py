@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from vllm_output_rate.config import (
     LimitsUpdate,
+    OutputRateSettings,
     merge_settings,
     parse_limits_update,
     parse_user_rates,
@@ -129,3 +132,67 @@ def test_metrics_label_settings_are_validated() -> None:
         OutputRateSettings.from_additional_config(
             {"output_rate": {"default_user_output_tokens_per_second": 1, "metrics": 2}}
         )
+
+
+# ----- fair shares --------------------------------------------------------------
+
+
+def test_fair_shares_round_trip_through_additional_config() -> None:
+    settings = merge_settings(
+        default_rate=100,
+        user_rates={"gold": 400},
+        weights='{"gold": 3}',
+        floors={"gold": 250},
+        capacity=1000,
+    )
+    assert settings is not None
+    again = OutputRateSettings.from_additional_config(
+        {"output_rate": settings.to_additional_config()}
+    )
+    assert again == settings
+    assert again.user_weights == {"gold": 3.0} and again.engine_capacity == 1000.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"floors": {"a": 150}}, "floor of user 'a' (150 tok/s) is above its limit"),
+        (
+            {"floors": {"a": 60, "b": 50}, "capacity": 100},
+            "floors sum to 110 tok/s, more than the engine capacity",
+        ),
+        ({"weights": {"a": -1}}, "weight of user 'a' must be a finite number > 0"),
+        ({"weights": {"a": True}}, "must be a number"),
+        ({"capacity": 0}, "got 0"),
+    ],
+)
+def test_fair_shares_that_cannot_be_kept_are_refused(kwargs, message: str) -> None:
+    with pytest.raises(OutputRateConfigError, match=re.escape(message)):
+        merge_settings(default_rate=100, **kwargs)
+
+
+def test_fair_shares_need_a_default_rate() -> None:
+    with pytest.raises(OutputRateConfigError, match="need --default-user"):
+        merge_settings(weights={"a": 2})
+
+
+def test_the_limits_file_holds_weights_and_floors(tmp_path) -> None:
+    limits = tmp_path / "limits.yaml"
+    limits.write_text(
+        "default_user_output_tokens_per_second: 100\n"
+        "user_output_weight: {a: 2, b: 0.5}\n"
+        "user_min_output_tokens_per_second: {a: 20}\n"
+    )
+    settings = merge_settings(config_file=str(limits), weights={"b": 1})
+    assert settings is not None
+    assert settings.user_weights == {"a": 2.0, "b": 1.0}  # the flag wins
+    assert settings.user_floors == {"a": 20.0}
+
+
+def test_a_limits_update_carries_weights_and_floors() -> None:
+    update = parse_limits_update(
+        {"user_output_weight": {"a": 2}, "user_min_output_tokens_per_second": {"a": 5}}
+    )
+    assert update.user_weights == {"a": 2.0} and update.user_floors == {"a": 5.0}
+    with pytest.raises(OutputRateConfigError, match="user_output_weight"):
+        parse_limits_update({"user_output_weight": {"a": 0}})

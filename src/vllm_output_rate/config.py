@@ -3,12 +3,15 @@
 Settings can come from three places, merged in this order (later wins):
 a JSON or YAML limits file, ``--additional-config '{"output_rate": {...}}'``,
 and the two command-line flags. Every error names the option and the value.
+
+Over 400 lines because the limits, the fair shares (weights, floors, engine
+capacity) and the admin update are one set of settings that merge together.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import yaml
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
+    validate_number,
     validate_rate,
     validate_user_name,
 )
@@ -30,11 +34,21 @@ FILE_FLAG = "--output-rate-config"
 API_KEYS_FLAG = "--output-rate-api-keys"
 METRICS_USERS_FLAG = "--output-rate-metrics-users"
 METRICS_RECENT_FLAG = "--output-rate-metrics-recent-users"
+WEIGHTS_FLAG = "--user-output-weight"
+FLOORS_FLAG = "--user-min-output-tokens-per-second"
+CAPACITY_FLAG = "--output-rate-engine-capacity"
 DEFAULT_KEY = "default_user_output_tokens_per_second"
 USERS_KEY = "user_output_tokens_per_second"
 FILE_KEY = "config_file"
 METRICS_USERS_KEY = "metrics_users"
 METRICS_RECENT_KEY = "metrics_recent_users"
+WEIGHTS_KEY = "user_output_weight"
+FLOORS_KEY = "user_min_output_tokens_per_second"
+CAPACITY_KEY = "engine_capacity_tokens_per_second"
+# The largest weight: a million times the default keeps virtual service
+# counters well inside a float's precision.
+MAX_WEIGHT = 1e6
+FAIR_KEYS = (WEIGHTS_KEY, FLOORS_KEY, CAPACITY_KEY)
 # How many users with recent traffic get their own metrics label by default
 # (besides the listed ones, __anonymous__ and __other__).
 DEFAULT_METRICS_RECENT_USERS = 100
@@ -84,6 +98,50 @@ def parse_user_rates(value: object, where: str) -> dict[str, float]:
     }
 
 
+def parse_user_weights(value: object, where: str) -> dict[str, float]:
+    """A JSON object (or its text) of user name to weight, in (0, 1e6]."""
+    value = _parsed_json(value, where)
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(
+            f"{where}: expected a JSON object of user name to weight, got {value!r}"
+        )
+    weights = {}
+    for user, weight in value.items():
+        name = validate_user_name(user, where)
+        checked = validate_number(weight, f"{where}: weight of user {user!r}")
+        if checked > MAX_WEIGHT:
+            raise OutputRateConfigError(
+                f"{where}: weight of user {user!r} must be at most {MAX_WEIGHT:g}, "
+                f"got {weight!r}"
+            )
+        weights[name] = checked
+    return weights
+
+
+def check_floors(
+    floors: Mapping[str, float],
+    ceiling_of: Callable[[str], float],
+    capacity: float | None,
+    where: str = FLOORS_FLAG,
+) -> None:
+    """Refuse floors that cannot be kept: above the user's own ceiling, or
+    summing to more than the declared engine capacity."""
+    for user, floor in floors.items():
+        ceiling = ceiling_of(user)
+        if floor > ceiling:
+            raise OutputRateConfigError(
+                f"{where}: floor of user {user!r} ({floor:g} tok/s) is above its "
+                f"limit ({ceiling:g} tok/s)"
+            )
+    total = sum(floors.values())
+    if capacity is not None and total > capacity:
+        raise OutputRateConfigError(
+            f"{where}: floors sum to {total:g} tok/s, more than the engine "
+            f"capacity {CAPACITY_FLAG} {capacity:g} tok/s; lower some floors "
+            "or declare a larger capacity"
+        )
+
+
 def parse_metrics_users(value: object, where: str) -> tuple[str, ...]:
     """A JSON list (or its text) of user names that always get a label."""
     value = _parsed_json(value, where)
@@ -122,6 +180,14 @@ class OutputRateSettings:
     metrics_recent_users: int = DEFAULT_METRICS_RECENT_USERS
     # A shared store: one budget per user across every engine that uses it.
     store: StoreSettings | None = None
+    # Fair shares when the engine is full: weights (default 1), floors in
+    # tok/s, and the engine's declared capacity that floors must fit in.
+    user_weights: Mapping[str, float] = field(default_factory=dict)
+    user_floors: Mapping[str, float] = field(default_factory=dict)
+    engine_capacity: float | None = None
+
+    def ceiling_of(self, user: str) -> float:
+        return self.user_rates.get(user, self.default_rate)
 
     def to_additional_config(self) -> dict[str, Any]:
         """The canonical form stored in ``additional_config["output_rate"]``."""
@@ -131,6 +197,9 @@ class OutputRateSettings:
             FILE_KEY: self.config_file,
             METRICS_USERS_KEY: list(self.metrics_users),
             METRICS_RECENT_KEY: self.metrics_recent_users,
+            WEIGHTS_KEY: dict(self.user_weights),
+            FLOORS_KEY: dict(self.user_floors),
+            CAPACITY_KEY: self.engine_capacity,
             **(self.store.to_config() if self.store else {}),
         }
 
@@ -151,6 +220,7 @@ class OutputRateSettings:
                 FILE_KEY,
                 METRICS_USERS_KEY,
                 METRICS_RECENT_KEY,
+                *FAIR_KEYS,
                 *STORE_KEYS,
             ),
             where,
@@ -162,6 +232,10 @@ class OutputRateSettings:
             store=StoreSettings.from_config(section, where),
             default_source=f"{where}[{DEFAULT_KEY!r}]",
             users_source=f"{where}[{USERS_KEY!r}]",
+            weights=section.get(WEIGHTS_KEY),
+            floors=section.get(FLOORS_KEY),
+            capacity=section.get(CAPACITY_KEY),
+            fair_source=where,
         )
         if settings is None:
             return None
@@ -204,7 +278,19 @@ def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
         raise OutputRateConfigError(f"{where}: not valid YAML/JSON: {exc}") from None
     if content is None:
         content = {}
-    return _check_object(content, (DEFAULT_KEY, USERS_KEY, *STORE_KEYS), where)
+    return _check_object(
+        content, (DEFAULT_KEY, USERS_KEY, WEIGHTS_KEY, FLOORS_KEY, *STORE_KEYS), where
+    )
+
+
+def load_fair_shares(path: str | Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The weights and floors of a limits file (reloaded with its limits)."""
+    where = f"{FILE_FLAG} {path}"
+    content = _read_limits_file(path)
+    return (
+        parse_user_weights(content.get(WEIGHTS_KEY) or {}, f"{where}: {WEIGHTS_KEY}"),
+        parse_user_rates(content.get(FLOORS_KEY) or {}, f"{where}: {FLOORS_KEY}"),
+    )
 
 
 def load_store_settings(path: str | Path) -> StoreSettings | None:
@@ -242,6 +328,10 @@ def merge_settings(
     store: StoreSettings | None = None,
     default_source: str = DEFAULT_FLAG,
     users_source: str = USERS_FLAG,
+    weights: object = None,
+    floors: object = None,
+    capacity: object = None,
+    fair_source: str | None = None,
 ) -> OutputRateSettings | None:
     """Combine a limits file with explicit values (explicit values win).
 
@@ -265,14 +355,37 @@ def merge_settings(
             f"{given} was given without {DEFAULT_FLAG}: "
             "per-user limits need a default for everyone else"
         )
+    elif weights or floors or capacity is not None:
+        raise OutputRateConfigError(
+            f"{WEIGHTS_FLAG}, {FLOORS_FLAG} and {CAPACITY_FLAG} need {DEFAULT_FLAG}"
+        )
     else:
         return None
-    return OutputRateSettings(
+    merged_weights, merged_floors = (
+        load_fair_shares(config_file) if config_file else ({}, {})
+    )
+    weights_where = f"{fair_source}[{WEIGHTS_KEY!r}]" if fair_source else WEIGHTS_FLAG
+    floors_where = f"{fair_source}[{FLOORS_KEY!r}]" if fair_source else FLOORS_FLAG
+    capacity_where = f"{fair_source}[{CAPACITY_KEY!r}]" if fair_source else None
+    if weights is not None:
+        merged_weights.update(parse_user_weights(weights, weights_where))
+    if floors is not None:
+        merged_floors.update(parse_user_rates(floors, floors_where))
+    settings = OutputRateSettings(
         default_rate=default,
         user_rates=merged_users,
         config_file=str(config_file) if config_file else None,
         store=store,
+        user_weights=merged_weights,
+        user_floors=merged_floors,
+        engine_capacity=None
+        if capacity is None
+        else validate_rate(capacity, capacity_where or CAPACITY_FLAG),
     )
+    check_floors(
+        merged_floors, settings.ceiling_of, settings.engine_capacity, floors_where
+    )
+    return settings
 
 
 REMOVE_KEY = "remove_users"
@@ -285,17 +398,23 @@ class LimitsUpdate:
     default_rate: float | None = None
     user_rates: Mapping[str, float] = field(default_factory=dict)
     remove_users: tuple[str, ...] = ()
+    user_weights: Mapping[str, float] = field(default_factory=dict)
+    user_floors: Mapping[str, float] = field(default_factory=dict)
 
 
 def parse_limits_update(payload: object) -> LimitsUpdate:
     """Validate an admin request body, or raise naming the bad field.
 
     Body: ``{"default_user_output_tokens_per_second": 80,
-    "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"]}``,
-    every key optional.
+    "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"],
+    "user_output_weight": {"user-a": 2},
+    "user_min_output_tokens_per_second": {"user-a": 5}}``, every key
+    optional (``remove_users`` drops a user's limit, weight and floor).
     """
     payload = _check_object(
-        payload, (DEFAULT_KEY, USERS_KEY, REMOVE_KEY), "request body"
+        payload,
+        (DEFAULT_KEY, USERS_KEY, REMOVE_KEY, WEIGHTS_KEY, FLOORS_KEY),
+        "request body",
     )
     default = payload.get(DEFAULT_KEY)
     remove = payload.get(REMOVE_KEY, [])
@@ -305,4 +424,6 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
         default_rate=None if default is None else validate_rate(default, DEFAULT_KEY),
         user_rates=parse_user_rates(payload.get(USERS_KEY, {}), USERS_KEY),
         remove_users=tuple(validate_user_name(u, REMOVE_KEY) for u in remove),
+        user_weights=parse_user_weights(payload.get(WEIGHTS_KEY, {}), WEIGHTS_KEY),
+        user_floors=parse_user_rates(payload.get(FLOORS_KEY, {}), FLOORS_KEY),
     )

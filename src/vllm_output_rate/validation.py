@@ -35,6 +35,17 @@ def validate_user_name(user: object, where: str = "user") -> str:
     return user
 
 
+def validate_number(value: object, where: str) -> float:
+    """Return ``value`` as a float if it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OutputRateConfigError(f"{where} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise OutputRateConfigError(
+            f"{where} must be a finite number > 0, got {value!r}"
+        )
+    return float(value)
+
+
 def validate_rate(rate: object, where: str = "rate") -> float:
     """Return ``rate`` as a float if it is a finite number of tokens per second > 0."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)):

@@ -300,3 +300,61 @@ def test_metrics_label_flags(parser, tiny_model_path: str) -> None:
         parser.parse_args(["--output-rate-metrics-recent-users", "lots"])
     with pytest.raises(OutputRateConfigError, match="need --default"):
         engine_config(parser, tiny_model_path, "--output-rate-metrics-users", "[]")
+
+
+def test_fair_share_flags_reach_the_scheduler_settings(
+    parser, tiny_model_path: str
+) -> None:
+    config = engine_config(
+        parser,
+        tiny_model_path,
+        FLAG,
+        "500",
+        "--user-output-weight",
+        '{"gold": 4}',
+        "--user-min-output-tokens-per-second",
+        '{"gold": 100}',
+        "--output-rate-engine-capacity",
+        "2000",
+    )
+    section = config.additional_config["output_rate"]
+    assert section["user_output_weight"] == {"gold": 4.0}
+    assert section["user_min_output_tokens_per_second"] == {"gold": 100.0}
+    assert section["engine_capacity_tokens_per_second"] == 2000.0
+
+
+def test_floors_above_the_declared_capacity_refuse_to_start(
+    parser, tiny_model_path: str
+) -> None:
+    from vllm_output_rate.validation import OutputRateConfigError
+
+    with pytest.raises(OutputRateConfigError, match="floors sum to 700 tok/s"):
+        engine_config(
+            parser,
+            tiny_model_path,
+            FLAG,
+            "500",
+            "--user-min-output-tokens-per-second",
+            '{"a": 400, "b": 300}',
+            "--output-rate-engine-capacity",
+            "600",
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--user-output-weight", '{"u": 0}'], "got 0"),
+        (["--user-output-weight", '{"u": 2e6}'], "at most 1e+06"),
+        (["--user-output-weight", "[1]"], "expected a JSON object"),
+        (["--user-min-output-tokens-per-second", '{"u": "x"}'], "got 'x'"),
+        (["--output-rate-engine-capacity", "-5"], "got -5"),
+    ],
+)
+def test_bad_fair_share_flags_name_the_flag_and_value(
+    parser, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", FLAG, "10", *argv])
+    err = capsys.readouterr().err
+    assert message in err and argv[0] in err

@@ -27,10 +27,21 @@ def limited(tiny_model_path: str, is_async: bool):
     """Factory for a limited scheduler; checks the accounting afterwards."""
     made: list[SchedulerHarness] = []
 
-    def make(default: float, users: dict[str, float] | None = None, **kwargs):
-        limits = {"default_user_output_tokens_per_second": default}
+    def make(
+        default: float,
+        users: dict[str, float] | None = None,
+        *,
+        weights: dict[str, float] | None = None,
+        floors: dict[str, float] | None = None,
+        **kwargs,
+    ):
+        limits: dict[str, object] = {"default_user_output_tokens_per_second": default}
         if users:
             limits["user_output_tokens_per_second"] = users
+        if weights:
+            limits["user_output_weight"] = weights
+        if floors:
+            limits["user_min_output_tokens_per_second"] = floors
         harness = make_scheduler(
             tiny_model_path, limits=limits, is_async=is_async, **kwargs
         )

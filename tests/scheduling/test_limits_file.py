@@ -49,3 +49,34 @@ def test_a_changed_file_is_applied_and_a_broken_one_ignored(tmp_path) -> None:
     assert limiter.user_rates == {"a": 50, "flag-user": 3}
     clock.now = 4.5
     assert not watcher.poll(limiter)  # unchanged since the broken version
+
+
+def test_weights_and_floors_reload_with_the_limits(tmp_path) -> None:
+    from vllm_output_rate.scheduling.fair_share import FairShare
+
+    limits = tmp_path / "limits.yaml"
+    write(limits, "default_user_output_tokens_per_second: 100\n"
+          "user_output_weight: {a: 2, b: 3}\n", 1_000)  # fmt: skip
+    errors: list[str] = []
+    clock = Clock()
+    limiter = OutputRateLimiter(100)
+    fair = FairShare({"a": 2, "b": 3, "flag-user": 5})
+    watcher = LimitsFileWatcher(str(limits), errors.append, clock=clock, capacity=300)
+
+    write(limits, "default_user_output_tokens_per_second: 100\n"
+          "user_output_weight: {a: 4}\n"
+          "user_min_output_tokens_per_second: {a: 50}\n", 2_000)  # fmt: skip
+    clock.now = 1.5
+    assert watcher.poll(limiter, fair)
+    # b left the file: back to weight 1; the flag's user is untouched.
+    assert fair.weights == {"a": 4.0, "flag-user": 5} and fair.floors == {"a": 50.0}
+
+    # Floors beyond the declared capacity: refused, nothing changes.
+    write(limits, "default_user_output_tokens_per_second: 200\n"
+          "user_min_output_tokens_per_second: {a: 100, c: 100, d: 100.5}\n",
+          3_000)  # fmt: skip
+    clock.now = 3.0
+    assert not watcher.poll(limiter, fair)
+    assert "more than the engine capacity" in errors[-1]
+    assert fair.floors == {"a": 50.0} and fair.weights["a"] == 4.0
+    assert limiter.default_rate == 100

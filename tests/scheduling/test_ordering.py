@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.ordering import (
     SlotHolders,
     claim_order,
-    fair_order,
     rotate_within_groups,
+    share_slots,
 )
+
+
+def fair_order(*args, **kwargs) -> list:
+    """The running list's order alone (no waiting requests)."""
+    return share_slots(*args, **kwargs)[0]
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,12 @@ def served(r: Req) -> int:
     return r.last_served
 
 
+def round_robin(last_served: dict[str, int]):
+    """Plain turns: each user's k-th slot after everyone's (k-1)-th, the user
+    served least recently first."""
+    return lambda u, k: (k, last_served.get(u, -1))
+
+
 def test_rotation_moves_the_least_recently_served_stream_first() -> None:
     a1, a2, a3 = Req("a1", "a", 9), Req("a2", "a", 3), Req("a3", "a", 7)
     b1 = Req("b1", "b", 1)
@@ -47,7 +59,69 @@ def test_rotation_keeps_other_groups_in_their_places() -> None:
 
 def test_fair_order_interleaves_users_least_recently_served_first() -> None:
     reqs = [Req(f"a{i}", "a", i) for i in range(3)] + [Req("b0", "b", 0)]
-    order = fair_order(reqs, user, served, {"a": 10, "b": 2})
+    order = fair_order(reqs, user, served, round_robin({"a": 10, "b": 2}))
+    assert [r.name for r in order] == ["b0", "a0", "a1", "a2"]
+
+
+def test_fair_order_hands_slots_in_proportion_to_weight() -> None:
+    fair = FairShare({"a": 2})
+    reqs = [Req(f"{u}{i}", u, i) for u in "ab" for i in range(6)]
+    order = fair_order(reqs, user, served, lambda u, k: fair.key(u, k, 0))
+    # a's k-th slot ranks at k/2, b's at k: two of a's for each of b's
+    # (ties go to the name first in order).
+    assert "".join(r.user for r in order[:6]) == "abaaba"
+
+
+def test_fair_order_puts_the_least_served_user_first() -> None:
+    fair = FairShare()
+    fair.charge({"a": 5}, {"b": 4})  # a: 5 output tokens; b: 4 prompt (2.0)
+    reqs = [Req(f"{u}{i}", u) for u in "ab" for i in range(4)]
+    order = fair_order(reqs, user, served, lambda u, k: fair.key(u, k, 0))
+    # b is owed 3 tokens: its slots rank 2, 3, 4, 5; a's 5, 6, 7, 8.
+    assert "".join(r.user for r in order) == "bbbabaaa"
+
+
+def test_a_user_below_its_floor_goes_before_every_counter() -> None:
+    fair = FairShare({"a": 100}, floors={"f": 30})
+    fair.credit_floors(0, {"f": 1, "a": 1}, {})
+    fair.credit_floors(100_000_000, {"f": 1, "a": 1}, {})  # 3 tokens owed
+    assert fair.credit("f") == 3
+    fair.charge({"f": 1000}, {})
+    reqs = [Req(f"{u}{i}", u) for u in "af" for i in range(5)]
+    order = fair_order(reqs, user, served, lambda u, k: fair.key(u, k, 0))
+    assert "".join(r.user for r in order)[:3] == "fff"
+
+
+def test_share_slots_hands_free_places_to_waiting_users_by_rank() -> None:
+    fair = FairShare()
+    fair.charge({"a": 10, "b": 3, "c": 1}, {})
+    running = [Req("a0", "a"), Req("a1", "a"), Req("b0", "b")]
+    order, granted = share_slots(
+        running,
+        user,
+        served,
+        lambda u, k: fair.key(u, k, 0),
+        waiting={"b": 2, "c": 3, "new": 1},
+        slots=4,
+        room=2,
+    )
+    # "new" has nothing running: first. Then by service: c (1) before b (3);
+    # c's second slot (2) before b's running one (3); room is then used up.
+    assert granted == {"new": 1, "c": 1}
+    assert [r.name for r in order] == ["b0", "a0", "a1"]
+
+
+def test_share_slots_leaves_requests_beyond_the_budget_last() -> None:
+    fair = FairShare()
+    fair.charge({"a": 1}, {})
+    reqs = [Req(f"a{i}", "a") for i in range(3)] + [Req("b0", "b")]
+    order, _ = share_slots(
+        reqs,
+        user,
+        served,
+        lambda u, k: fair.key(u, k, 0),
+        limit_of={"a": 1, "b": 1}.get,
+    )
     assert [r.name for r in order] == ["b0", "a0", "a1", "a2"]
 
 
@@ -55,7 +129,7 @@ def test_fair_order_serves_a_lower_priority_value_first() -> None:
     urgent = Req("u", "a", 5, priority=0)
     later = Req("l", "b", 0, priority=1)
     order = fair_order(
-        [later, urgent], user, served, {}, priority_of=lambda r: r.priority
+        [later, urgent], user, served, round_robin({}), priority_of=lambda r: r.priority
     )
     assert [r.name for r in order] == ["u", "l"]
 
@@ -77,7 +151,9 @@ def test_both_orders_are_permutations_and_leave_the_input_alone(reqs) -> None:
     before = list(reqs)
     for order in (
         rotate_within_groups(reqs, user, served),
-        fair_order(reqs, user, served, {"a": 3}, priority_of=lambda r: r.priority),
+        fair_order(
+            reqs, user, served, round_robin({"a": 3}), priority_of=lambda r: r.priority
+        ),
     ):
         assert sorted(order, key=id) == sorted(reqs, key=id)
     assert reqs == before
@@ -85,7 +161,7 @@ def test_both_orders_are_permutations_and_leave_the_input_alone(reqs) -> None:
 
 @given(requests)
 def test_fair_order_gives_the_first_slots_to_distinct_users(reqs) -> None:
-    order = fair_order(reqs, user, served, {})
+    order = fair_order(reqs, user, served, round_robin({}))
     users = {r.user for r in reqs}
     assert len({r.user for r in order[: len(users)]}) == len(users)
 

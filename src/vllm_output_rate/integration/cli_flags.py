@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     API_KEYS_FLAG,
+    CAPACITY_FLAG,
     DEFAULT_FLAG,
     DEFAULT_METRICS_RECENT_USERS,
     FILE_FLAG,
+    FLOORS_FLAG,
     METRICS_RECENT_FLAG,
     METRICS_USERS_FLAG,
     USERS_FLAG,
+    WEIGHTS_FLAG,
     OutputRateSettings,
     load_store_settings,
     merge_settings,
     parse_metrics_users,
     parse_user_rates,
+    parse_user_weights,
     validate_recent_users,
 )
 from vllm_output_rate.store.settings import (
@@ -35,6 +40,7 @@ from vllm_output_rate.store.settings import (
 from vllm_output_rate.validation import OutputRateConfigError, validate_rate
 
 GROUP_TITLE = "OutputRateLimit"
+T = TypeVar("T")
 
 
 def _rate_arg(text: str) -> float:
@@ -44,10 +50,27 @@ def _rate_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _users_arg(text: str) -> dict[str, float]:
+def _parsed_with(parse: Callable[[str, str], T], flag: str) -> Callable[[str], T]:
+    """An argparse ``type`` from one of config's parsers (errors name ``flag``)."""
+
+    def parse_arg(text: str) -> T:
+        try:
+            return parse(text, flag)
+        except OutputRateConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_arg
+
+
+_users_arg = _parsed_with(parse_user_rates, USERS_FLAG)
+_weights_arg = _parsed_with(parse_user_weights, WEIGHTS_FLAG)
+_floors_arg = _parsed_with(parse_user_rates, FLOORS_FLAG)
+
+
+def _capacity_arg(text: str) -> float:
     try:
-        return parse_user_rates(text, USERS_FLAG)
-    except OutputRateConfigError as exc:
+        return validate_rate(float(text), CAPACITY_FLAG)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -124,6 +147,33 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         '"user-b": 500}\'. Overrides the limits file.',
     )
     group.add_argument(
+        WEIGHTS_FLAG,
+        type=_weights_arg,
+        default=None,
+        metavar="JSON",
+        help="Fair shares when the engine is full: per-user weights, e.g. "
+        "'{\"tenant-a\": 2}' (default 1). Users below their limits share "
+        "scarce batch places in proportion to weight, counted in tokens "
+        "(output tokens, prompt tokens at half).",
+    )
+    group.add_argument(
+        FLOORS_FLAG,
+        type=_floors_arg,
+        default=None,
+        metavar="JSON",
+        help="Guaranteed floors, e.g. '{\"tenant-a\": 300}' (tok/s): a user "
+        "below its floor goes before everyone above theirs when the engine is "
+        f"full. Best effort unless {CAPACITY_FLAG} is given.",
+    )
+    group.add_argument(
+        CAPACITY_FLAG,
+        type=_capacity_arg,
+        default=None,
+        metavar="TOK_PER_S",
+        help="Output tokens per second this engine sustains under load; "
+        "floors summing to more are refused at start-up and in updates.",
+    )
+    group.add_argument(
         API_KEYS_FLAG,
         default=None,
         metavar="FILE",
@@ -196,8 +246,20 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
     store_url = getattr(args, "output_rate_store", None)
     store_required = getattr(args, "output_rate_store_required", None)
     fallback_share = getattr(args, "output_rate_store_fallback_share", None)
+    weights = getattr(args, "user_output_weight", None)
+    floors = getattr(args, "user_min_output_tokens_per_second", None)
+    capacity = getattr(args, "output_rate_engine_capacity", None)
     store_flags = (store_url, store_required, fallback_share)
-    given = (config_file, default_rate, user_rates, metrics_users, metrics_recent)
+    given = (
+        config_file,
+        default_rate,
+        user_rates,
+        metrics_users,
+        metrics_recent,
+        weights,
+        floors,
+        capacity,
+    )
     if all(value is None for value in given):
         if any(flag is not None for flag in store_flags):
             raise OutputRateConfigError(
@@ -212,6 +274,9 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
         config_file = config_file or base.config_file
         default_rate = default_rate if default_rate is not None else base.default_rate
         user_rates = {**base.user_rates, **(user_rates or {})}
+        weights = {**base.user_weights, **(weights or {})}
+        floors = {**base.user_floors, **(floors or {})}
+        capacity = capacity if capacity is not None else base.engine_capacity
         store = base.store
     if store is None and config_file:
         store = load_store_settings(config_file)
@@ -243,6 +308,9 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
         default_rate=default_rate,
         user_rates=user_rates,
         store=store,
+        weights=weights,
+        floors=floors,
+        capacity=capacity,
     )
     if settings is None:
         if metrics_users is not None or metrics_recent is not None:

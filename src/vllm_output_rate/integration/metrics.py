@@ -89,6 +89,9 @@ class OutputRateCollector(Collector):
         for label, rate in self._snapshot["limits"].items():
             limit.add_metric([label], rate)
         yield limit
+        shares = self._snapshot.get("fair_shares")
+        if shares is not None:
+            yield from fair_share_metrics(shares)
         store = self._snapshot.get("store")
         if store is not None:
             yield from store_metrics(store)
@@ -111,6 +114,36 @@ def _histogram(
             buckets.append((bound, cumulative))
         family.add_metric([label], buckets, histogram["sum_s"])
     return family
+
+
+def fair_share_metrics(shares: dict[str, dict[str, float]]) -> Iterator[Any]:
+    """Weights, virtual service and floors per labelled user (fair_share.py)."""
+    gauges = {
+        "weight": ("weight", "Each labelled user's weight (default 1)"),
+        "virtual_service": (
+            "virtual_service",
+            "Weighted service counter: (output tokens + 0.5 x prompt tokens) / "
+            "weight, lifted to the least-served backlogged user; the user with "
+            "the lowest goes first when the engine is full",
+        ),
+        "floor": ("floor_tokens_per_second", "Each floored user's floor"),
+    }
+    for key, (name, doc) in gauges.items():
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["user"])
+        for label, view in shares.items():
+            if key in view:
+                family.add_metric([label], view[key])
+        yield family
+    below = CounterMetricFamily(
+        PREFIX + "below_floor_seconds",
+        "Time a floored user with requests was a whole burst (100 ms of its "
+        "floor) behind its floor: the floor was not kept",
+        labels=["user"],
+    )
+    for label, view in shares.items():
+        if "below_floor_seconds" in view:
+            below.add_metric([label], view["below_floor_seconds"])
+    yield below
 
 
 def store_metrics(store: dict[str, Any]) -> Iterator[Any]:

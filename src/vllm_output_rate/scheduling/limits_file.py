@@ -2,7 +2,8 @@
 
 The scheduler asks at most once a second whether the file's modification
 time changed; on a change it applies the file's default and user limits,
-and users that left the file fall back to the default. A file that fails to
+weights and floors, and users that left the file fall back to the default
+(limit, weight 1, no floor). A file that fails to
 parse is logged and ignored: the limits in force stay as they were.
 """
 
@@ -13,7 +14,8 @@ import time
 from collections.abc import Callable
 
 from vllm_output_rate.budget import Budget
-from vllm_output_rate.config import load_limits_file
+from vllm_output_rate.config import check_floors, load_fair_shares, load_limits_file
+from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.validation import OutputRateConfigError
 
 CHECK_INTERVAL_S = 1.0
@@ -25,7 +27,9 @@ class LimitsFileWatcher:
         path: str,
         on_error: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
+        capacity: float | None = None,
     ) -> None:
+        self._capacity = capacity
         self._path = path
         self._on_error = on_error
         self._clock = clock
@@ -33,6 +37,12 @@ class LimitsFileWatcher:
         self._mtime = self._read_mtime()
         _, users = self._load() or (None, {})
         self._file_users = set(users)
+        self._fair_users: set[str] = set()
+        try:
+            weights, floors = load_fair_shares(path)
+            self._fair_users = set(weights) | set(floors)
+        except OutputRateConfigError:
+            pass  # reported by _load
 
     def _read_mtime(self) -> float | None:
         try:
@@ -47,8 +57,9 @@ class LimitsFileWatcher:
             self._on_error(f"limits file not reloaded: {exc}")
             return None
 
-    def poll(self, limiter: Budget) -> bool:
-        """Apply the file if it changed since the last look; True if applied."""
+    def poll(self, limiter: Budget, fair: FairShare | None = None) -> bool:
+        """Apply the file if it changed since the last look; True if applied.
+        ``fair`` gets the file's weights and floors (all or nothing)."""
         now = self._clock()
         if now < self._next_check:
             return False
@@ -62,6 +73,21 @@ class LimitsFileWatcher:
             return False
         default, users = loaded
         try:
+            weights, floors = load_fair_shares(self._path)
+            gone = self._fair_users - set(weights) - set(floors)
+            if fair is not None:
+                ceiling = default if default is not None else limiter.default_rate
+                kept = {u: f for u, f in fair.floors.items() if u not in gone}
+                check_floors(
+                    {**kept, **floors},
+                    lambda u: users.get(u, ceiling),
+                    self._capacity,
+                    f"limits file {self._path}",
+                )
+        except OutputRateConfigError as exc:
+            self._on_error(f"limits file not reloaded: {exc}")
+            return False
+        try:
             limiter.update_rates(
                 default_rate=default,
                 user_rates=users,
@@ -71,4 +97,7 @@ class LimitsFileWatcher:
             self._on_error(f"limits file not reloaded: {exc}")
             return False
         self._file_users = set(users)
+        if fair is not None:
+            fair.update(weights, floors, remove_users=gone)
+        self._fair_users = set(weights) | set(floors)
         return True

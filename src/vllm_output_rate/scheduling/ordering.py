@@ -1,17 +1,20 @@
 """Who goes first: among resident requests, and for a scarce slot (no vLLM import).
 
-``rotate_within_groups`` and ``fair_order`` order the running list for a
+``rotate_within_groups`` and ``share_slots`` order the running list for a
 step; both return a new order and leave their input untouched.
-``slot_rank`` is the one ranking of users for a scarce resident slot or KV
-blocks: ``claim_order`` hands slots to claimants by it and ``SlotHolders``
-takes them back by it. Requests are opaque; callers pass functions that read
-a request's user, priority and the scheduler step at which it last received
-an output token.
+``share_slots`` hands a scarce step's active slots to the users
+owed most by ``fair_share.FairShare.key`` (weights, virtual service,
+floors), running and waiting requests alike. ``slot_rank`` is the one
+ranking of users for a scarce resident slot or KV blocks: ``claim_order``
+hands slots to claimants by it and ``SlotHolders`` takes them back by it.
+Requests are opaque; callers pass functions that read a request's user,
+priority and the scheduler step at which it last received an output token.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import (
     Callable,
     Hashable,
@@ -20,8 +23,10 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from itertools import chain, zip_longest
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from vllm_output_rate.scheduling.fair_share import FairShare
 
 R = TypeVar("R")
 
@@ -50,55 +55,118 @@ def rotate_within_groups(
     return rotated
 
 
-def fair_order(
+def share_slots(
     requests: Sequence[R],
     user_of: Callable[[R], str],
     last_served_of: Callable[[R], int],
-    user_last_served: Mapping[str, int],
+    key_of: Callable[[str, int], Any],
+    *,
     priority_of: Callable[[R], int] | None = None,
-) -> list[R]:
-    """Order requests so that a limited number of active slots goes round-robin.
+    limit_of: Callable[[str], int] | None = None,
+    waiting: Mapping[str, int] | None = None,
+    slots: int = 0,
+    room: int = 0,
+) -> tuple[list[R], dict[str, int]]:
+    """Hand a step's active slots out one at a time, best ``key_of`` first.
 
-    Users take turns, the user served least recently first; each user's
-    streams take turns too. With ``priority_of``, a lower priority value is
-    served first (vLLM's convention) and fairness applies within a priority.
+    ``key_of(user, k)`` ranks the ``k``-th slot of ``user`` in this step
+    (``fair_share.FairShare.key``: the user owed most first, weighted
+    round-robin in tokens). Each user's requests take turns, the one served
+    least recently first. With ``priority_of``, a lower priority value is
+    served first (vLLM's convention) and the ranking applies within a
+    priority. ``limit_of(user)`` is how many slots the user's budget can use:
+    its requests beyond that go last (they will be throttled).
+
+    ``waiting`` (user -> waiting requests it could admit; FCFS only) competes
+    for the first ``slots`` active slots too, at most ``room`` of them (free
+    resident slots); a waiting user with nothing running takes its first
+    slot ahead of every rank. Returns the requests in order and the slots handed to
+    waiting requests per user; the caller gives the running requests
+    ``slots`` minus those. Once ``slots`` are handed out the rest is not
+    ranked (it is deferred in this step): the heap work is O(slots log U).
     """
+    waiting = waiting or {}
     classes: dict[int, dict[str, list[R]]] = {}
     for request in requests:
         priority = priority_of(request) if priority_of else 0
         classes.setdefault(priority, {}).setdefault(user_of(request), []).append(
             request
         )
+    if waiting:
+        classes.setdefault(0, {})
     ordered: list[R] = []
+    over_limit: list[R] = []
+    granted: dict[str, int] = {}
+    picked = 0
     for priority in sorted(classes):
-        users = classes[priority]
-        queues = [
-            sorted(users[user], key=last_served_of)
-            for user in sorted(users, key=lambda u: user_last_served.get(u, -1))
-        ]
-        turns = chain.from_iterable(zip_longest(*queues))
-        ordered.extend(request for request in turns if request is not None)
-    return ordered
+        queues = {
+            u: sorted(reqs, key=last_served_of) for u, reqs in classes[priority].items()
+        }
+        candidates = set(queues)
+        candidates.update(waiting if priority == 0 else ())
+        available = {}
+        for user in candidates:
+            count = len(queues.get(user, ())) + waiting.get(user, 0)
+            if limit_of is not None:
+                count = min(count, limit_of(user))
+            available[user] = count
+        # A waiting user with nothing running gets its first slot ahead of
+        # every rank: a user that arrives with budget never waits for others
+        # (README, "Nobody waits for a throttled request").
+        heap = [((u in queues, key_of(u, 0)), u) for u in candidates if available[u]]
+        heapq.heapify(heap)
+        taken: Counter[str] = Counter()
+        while heap:
+            if slots and picked >= slots:
+                break  # the rest is deferred: no need to rank it
+            _, user = heapq.heappop(heap)
+            k = taken[user]
+            queue = queues.get(user, ())
+            if k < len(queue):
+                ordered.append(queue[k])
+            elif picked < slots and room > 0:
+                granted[user] = granted.get(user, 0) + 1
+                room -= 1
+            else:
+                continue  # its waiting requests cannot get a slot now
+            picked += 1
+            taken[user] = k + 1
+            if k + 1 < available[user]:
+                heapq.heappush(heap, ((True, key_of(user, k + 1)), user))
+        deferred = []
+        for user, queue in queues.items():
+            rest = queue[min(taken[user], len(queue)) :]
+            within = max(0, min(len(rest), available[user] - taken[user]))
+            deferred.extend(rest[:within])
+            over_limit.extend(rest[within:])
+        ordered.extend(deferred)
+    return ordered + over_limit, granted
 
 
 # ----- who gets a scarce resident slot -----------------------------------------
 
 
-def slot_rank(resident: int, last_served: int) -> tuple[int, int]:
+def slot_rank(
+    resident: int, last_served: int, fair: FairShare | None = None, user: str = ""
+) -> tuple[float, float, int]:
     """The one ranking of users for a scarce resident slot (or KV), lower first.
 
-    A user holding fewer resident requests comes first; among equals, the
-    one served least recently. Claimants are served from the low end and
-    slots are taken back from the high end (``SlotHolders``). Per-user
-    weights plug in here: rank by ``resident / weight``.
+    A user holding fewer resident requests per unit of weight comes first;
+    among equals, the one owed most service (lowest virtual service,
+    ``fair_share``), then the one served least recently. Claimants are
+    served from the low end and slots are taken back from the high end
+    (``SlotHolders``).
     """
-    return (resident, last_served)
+    if fair is None:
+        return (resident, 0.0, last_served)
+    return (resident / fair.weight(user), fair.service(user), last_served)
 
 
 def claim_order(
     wanted: Mapping[str, int],
     resident: MutableMapping[str, int],
     user_last_served: Mapping[str, int],
+    fair: FairShare | None = None,
 ) -> Iterator[tuple[str, int]]:
     """Hand out slots one at a time to the users in ``wanted`` (user -> slots
     it can use now), best ranked first, re-ranking after each.
@@ -108,7 +176,8 @@ def claim_order(
     """
     left = {user: n for user, n in wanted.items() if n > 0}
     heap = [
-        (slot_rank(resident.get(u, 0), user_last_served.get(u, -1)), u) for u in left
+        (slot_rank(resident.get(u, 0), user_last_served.get(u, -1), fair, u), u)
+        for u in left
     ]
     heapq.heapify(heap)
     while heap:
@@ -118,7 +187,7 @@ def claim_order(
         yield user, before
         left[user] -= 1
         if left[user]:
-            rank = slot_rank(before + 1, user_last_served.get(user, -1))
+            rank = slot_rank(before + 1, user_last_served.get(user, -1), fair, user)
             heapq.heappush(heap, (rank, user))
 
 
@@ -143,7 +212,9 @@ class SlotHolders(Generic[R]):
         feeds: Callable[[str], int],
         user_last_served: Mapping[str, int],
         priority_of: Callable[[R], int] | None = None,
+        fair: FairShare | None = None,
     ) -> None:
+        self._fair = fair
         self._idle = {user: list(reqs) for user, reqs in idle.items() if reqs}
         self._resident = resident
         self._feeds = {user: feeds(user) for user in self._idle}
@@ -154,7 +225,7 @@ class SlotHolders(Generic[R]):
         return bool(self._idle)
 
     def take(self, resident: int, min_priority: int | None = None) -> R | None:
-        best: tuple[tuple[bool, tuple[int, int]], str, int] | None = None
+        best: tuple[tuple[bool, tuple[float, float, int]], str, int] | None = None
         for user, requests in self._idle.items():
             have = self._resident.get(user, 0)
             surplus = have > self._feeds[user]
@@ -163,7 +234,8 @@ class SlotHolders(Generic[R]):
             index = self._first_allowed(requests, min_priority)
             if index is None:
                 continue
-            key = (surplus, slot_rank(have, self._last_served.get(user, -1)))
+            last_served = self._last_served.get(user, -1)
+            key = (surplus, slot_rank(have, last_served, self._fair, user))
             if best is None or key > best[0]:
                 best = (key, user, index)
         if best is None:

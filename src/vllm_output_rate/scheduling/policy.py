@@ -16,8 +16,9 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
    (``residency.py``: throttled residents are preempted for them, throttled
    users do not refill slots ahead of their budget, and the waiting scan is
    closed when nobody waiting can be admitted), then the running list may be
-   reordered (throttled requests last, a user's streams rotated, active
-   slots shared round-robin between users).
+   reordered (throttled requests last, a user's streams rotated, contested
+   active slots handed to the users owed most service, running and waiting
+   requests alike: ``fair_share.py``, ``ordering.share_slots``).
 2. ``on_chunk`` (vLLM's ``_reserve_prefill_lookahead``), for every request
    vLLM sizes a chunk for, except in fast steps: a chunk that reaches the end
    of the sequence samples a token and is charged. Without budget the chunk
@@ -55,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -67,8 +68,11 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import (
     DEFAULT_KEY,
+    FLOORS_KEY,
     USERS_KEY,
+    WEIGHTS_KEY,
     OutputRateSettings,
+    check_floors,
     parse_limits_update,
 )
 from vllm_output_rate.identity import user_or_anonymous
@@ -83,8 +87,9 @@ from vllm_output_rate.scheduling.demand import (
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.engine_modes import EngineModes
+from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
-from vllm_output_rate.scheduling.ordering import fair_order, rotate_within_groups
+from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
 from vllm_output_rate.scheduling.residency import Residency, StepSlots
 from vllm_output_rate.scheduling.speculative import SpeculativeLedger
 from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
@@ -151,13 +156,20 @@ class OutputRatePolicy:
         )
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         self.demand = Demand()
+        # Weights and floors: who is owed service when the engine is full.
+        self.fair = FairShare(settings.user_weights, settings.user_floors)
+        self._deferred_users: set[str] = set()
         self.first_tokens = FirstTokens()
         self.stats = OutputRateStats(
             settings.metrics_users, settings.metrics_recent_users
         )
         self.dispatch_log = DispatchLog.from_env()
         self._limits_file = (
-            LimitsFileWatcher(settings.config_file, logger.warning)
+            LimitsFileWatcher(
+                settings.config_file,
+                logger.warning,
+                capacity=settings.engine_capacity,
+            )
             if settings.config_file
             else None
         )
@@ -230,7 +242,7 @@ class OutputRatePolicy:
         """
         host = self._host
         self.step += 1
-        if self._limits_file and self._limits_file.poll(self.limiter):
+        if self._limits_file and self._limits_file.poll(self.limiter, self.fair):
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
         spec = self.speculative
         if spec is not None:
@@ -249,14 +261,29 @@ class OutputRatePolicy:
         self._active_in_step = 0
         self._running_cap = self.active_cap
         self.throttled = []
+        self._deferred_users.clear()
         host.max_num_active_reqs = self.active_cap
-        fast = everyone_covered and len(host.running) <= self.active_cap
+        crowded = self._crowded()
+        fast = everyone_covered and len(host.running) <= self.active_cap and not crowded
         self.slots = None
         self._admission_closed = False
         if not fast and len(host.requests) > len(host.running):
             self._plan_residency()
-        moved_arrivals = self._plan_step() if self._engaged and not fast else {}
+        engaged = (self._engaged or crowded) and not fast
+        moved_arrivals = self._plan_step() if engaged else {}
         return fast, moved_arrivals
+
+    def _crowded(self) -> bool:
+        """Whether waiting requests of several users compete for fewer free
+        active slots than they are, with a resident slot free for them: then
+        the slots go by rank (``fair_share``), not by queue order."""
+        host = self._host
+        running = len(host.running)
+        waiting = len(host.requests) - running
+        if waiting <= 0 or running >= host.max_num_running_reqs:
+            return False
+        free_active = min(self.active_cap, host.max_num_running_reqs) - running
+        return waiting > free_active and len(self.demand.unfinished) > 1
 
     def end_step_cleanup(self, moved_arrivals: dict[Request, float]) -> None:
         """Undo the step's temporary changes (also when vLLM's step raised)."""
@@ -359,6 +386,7 @@ class OutputRatePolicy:
             claim_priority=(
                 {user: r.priority for user, r in heads.items()} if priority else None
             ),
+            fair=self.fair,
         )
         if victims:
             self.stats.record_reclaimed(Counter(map(user_of, victims)))
@@ -413,21 +441,33 @@ class OutputRatePolicy:
         ready = [r for r in host.running if budget.has_budget(user_of(r))]
         throttled = [r for r in host.running if user_of(r) in budget.refused_users]
         priority = host.policy == SchedulingPolicy.PRIORITY
-        if len(ready) >= self.active_cap:
-            # Active slots are contested. A user with budget waiting with
-            # nothing resident has been served least recently of all: keep
-            # one slot for it rather than let resident users fill every slot
-            # forever (it may be anywhere in the queue: the scan skips
-            # throttled requests ahead of it).
-            if self.slots is not None and self.slots.claimant_without_residents():
+        slots = self.slots
+        # Claimants compete for the active slots by rank (FCFS only: under
+        # PRIORITY, waiting requests are admitted in vLLM's priority order).
+        waiting = slots.wanted if slots is not None and not priority else NOTHING
+        active = min(self.active_cap, host.max_num_running_reqs)
+        if len(ready) + sum(waiting.values()) > active:
+            if priority and slots is not None and slots.claimant_without_residents():
+                # A user with budget waiting with nothing resident has been
+                # served least recently of all: keep one slot for it (it
+                # may be anywhere in the queue: the scan skips throttled
+                # requests ahead of it).
                 self._running_cap = self.active_cap - 1
-            ready = fair_order(
+            fair, last_served = self.fair, self._user_last_served
+            ready, granted = share_slots(
                 ready,
                 user_of,
                 last_served_of,
-                self._user_last_served,
+                lambda user, k: fair.key(user, k, last_served.get(user, -1)),
                 priority_of=(lambda r: r.priority) if priority else None,
+                limit_of=budget.remaining,
+                waiting=waiting,
+                slots=active,
+                room=slots.free if slots is not None else 0,
             )
+            if slots is not None and waiting:
+                slots.granted = granted
+                self._running_cap = active - sum(granted.values())
         else:
             ready = rotate_within_groups(
                 ready,
@@ -516,6 +556,7 @@ class OutputRatePolicy:
         # What users received: with speculative decoding, known only for
         # the steps reported since the last step.
         received = served if spec is None else spec.delivered
+        self._count_fair_shares(output, served, received, now_ns)
         if self.dispatch_log:
             if spec is None:
                 self.dispatch_log.record(now_ns, served)
@@ -547,8 +588,52 @@ class OutputRatePolicy:
                 u: s for u, s in self._user_last_served.items() if u in live
             }
             self.stats.forget_users(live, now_ns)
+            self.fair.forget(self.demand.unfinished)
             self.first_tokens.forget_finished(host.requests)
             self.residency.forget(host.requests)
+
+    def _count_fair_shares(
+        self,
+        output: SchedulerOutput,
+        served: Mapping[str, int],
+        received: Mapping[str, int],
+        now_ns: int,
+    ) -> None:
+        """Charge the step's service to the users' virtual counters, raise
+        the level to the least-served backlogged user, credit floors."""
+        fair = self.fair
+        fair.charge(received, self._prompt_tokens(output))
+        backlogged: Collection[str] = self._deferred_users
+        if self.slots is not None and self.slots.wanted:
+            backlogged = self._deferred_users.union(self.slots.left_waiting())
+        else:
+            host, unfinished = self._host, self.demand.unfinished
+            if len(unfinished) == 1 and len(host.requests) > len(host.running):
+                # One user alone with requests waiting: it is backlogged
+                # (steps of one user do not rank, see _crowded).
+                backlogged = unfinished.keys()
+        fair.backlogged(backlogged, self.budget.refused_users)
+        fair.credit_floors(now_ns, self.demand.unfinished, received)
+
+    def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
+        """Prompt tokens computed in the step per user (prefill, recompute):
+        a request's scheduled tokens before its last known token. A step of
+        one token per request (plain decoding) has none: O(1)."""
+        scheduled = output.num_scheduled_tokens
+        if output.total_num_scheduled_tokens == len(scheduled):
+            return NOTHING
+        requests = self._host.requests
+        counts: Counter[str] = Counter()
+        for request_id, count in scheduled.items():
+            if count > 1:
+                request = requests.get(request_id)
+                if request is None:
+                    continue
+                after = request.num_computed_tokens
+                prompt = min(after, request.num_tokens - 1) - (after - count)
+                if prompt > 0:
+                    counts[user_of(request)] += prompt
+        return counts
 
     # ----- vLLM's per-request hooks --------------------------------------
 
@@ -585,6 +670,7 @@ class OutputRatePolicy:
                 # Deferred: no active slot left for it in this step. Like a
                 # throttled request, it does not count as active for the
                 # admission of waiting requests.
+                self._deferred_users.add(user)
                 self._raise_admission_cap()
                 return 0
             self._active_in_step += 1
@@ -662,16 +748,38 @@ class OutputRatePolicy:
         if self.leases is not None:
             self.leases.apply_pending()  # an idle engine takes no steps
         limiter = self.limiter
-        return {DEFAULT_KEY: limiter.default_rate, USERS_KEY: limiter.user_rates}
+        fair = self.fair
+        return {
+            DEFAULT_KEY: limiter.default_rate,
+            USERS_KEY: limiter.user_rates,
+            WEIGHTS_KEY: dict(fair.weights),
+            FLOORS_KEY: dict(fair.floors),
+        }
 
     def update_limits(self, payload: object) -> dict[str, Any]:
         """Apply an admin change from the next step on; all or nothing."""
         update = parse_limits_update(payload)
-        self.limiter.update_rates(
+        limiter, fair = self.limiter, self.fair
+        removed = set(update.remove_users)
+        floors = {u: f for u, f in fair.floors.items() if u not in removed}
+        floors.update(update.user_floors)
+        default = update.default_rate or limiter.default_rate
+
+        def ceiling_of(user: str) -> float:
+            if user in update.user_rates:
+                return update.user_rates[user]
+            if user in removed:
+                return default
+            rate = limiter.user_rates.get(user)
+            return default if rate is None else rate
+
+        check_floors(floors, ceiling_of, self.settings.engine_capacity, FLOORS_KEY)
+        limiter.update_rates(
             default_rate=update.default_rate,
             user_rates=update.user_rates,
             remove_users=update.remove_users,
         )
+        fair.update(update.user_weights, update.user_floors, update.remove_users)
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
         return self.limits()
 
@@ -690,7 +798,15 @@ class OutputRatePolicy:
         for label in labels:
             if label != OTHER_USERS:
                 limits[label] = limiter.rate_of(label)
-        snapshot: dict[str, Any] = {"labels": labels, "limits": limits}
+        fair = self.fair
+        shares = {
+            label: fair.snapshot(label) for label in labels if label != OTHER_USERS
+        }
+        snapshot: dict[str, Any] = {
+            "labels": labels,
+            "limits": limits,
+            "fair_shares": shares,
+        }
         if self.leases is not None:
             self.leases.apply_pending()  # an idle engine takes no steps
             snapshot["store"] = self.leases.store_snapshot()
@@ -703,6 +819,7 @@ class OutputRatePolicy:
         users, cursor, total = self.stats.users_page(now_ns, limit, after)
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
+            view.update(self.fair.snapshot(user))
         page: dict[str, Any] = {
             "time_s": now_ns / 1e9,
             "default_limit": self.limiter.default_rate,

@@ -2,7 +2,7 @@
 
 The promise (README, "What it guarantees"): a user with budget is never kept
 waiting by another user's throttled requests, whichever place is scarce:
-active slots (``--max-num-active-seqs``: ``ordering.fair_order``), resident
+active slots (``--max-num-active-seqs``: ``ordering.share_slots``), resident
 slots (``--max-num-seqs``), KV blocks, or its place in the waiting queue.
 
 Before each step in which some limit binds (in a fast step nobody can be
@@ -65,6 +65,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_output_rate.scheduling.demand import last_served_of, user_of
+from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.ordering import SlotHolders, claim_order
 
 # How long after a user with budget last claimed a slot the engine counts as
@@ -92,6 +93,9 @@ class StepSlots:
         self.outstanding = sum(wanted.values())  # slots claimants still wait for
         self.free = free  # resident slots free now
         self.preempted_ids: set[str] = set()
+        # Active slots handed to claimants by rank (``ordering.share_slots``);
+        # None: any claimant may take a free slot.
+        self.granted: dict[str, int] | None = None
         self.admissions = 0  # waiting requests let through in the step
         # What the step's scan depends on, when only prefill ahead can admit.
         self.scan_state: tuple[Any, ...] | None = None
@@ -101,7 +105,10 @@ class StepSlots:
         admitted: if it is a claimant, or if that leaves a free slot for
         each slot still claimed (a user with budget that did not claim has
         it because one of its residents was deferred; slots freed for the
-        claimants are theirs)."""
+        claimants are theirs). When the step's slots were handed out by
+        rank, only to a user granted one."""
+        if self.granted is not None:
+            return self.granted.get(user, 0) > 0
         return bool(self.wanted.get(user)) or self.free > self.outstanding
 
     def may_prefill_ahead(self, user: str) -> bool:
@@ -114,10 +121,18 @@ class StepSlots:
         self.resident[user] += 1
         self.free -= 1
         self.admissions += 1
+        if self.granted:
+            granted = self.granted.get(user, 0)
+            if granted:
+                self.granted[user] = granted - 1
         wanted = self.wanted.get(user)
         if wanted:
             self.wanted[user] = wanted - 1
             self.outstanding -= 1
+
+    def left_waiting(self) -> list[str]:
+        """Claimants still waiting for a slot (after the step's admissions)."""
+        return [user for user, n in self.wanted.items() if n]
 
     def claimant_without_residents(self) -> bool:
         resident = self.resident
@@ -242,6 +257,7 @@ class Residency:
         blocks_missing: Callable[[], int],
         preempt: Callable[[Any], None],
         claim_priority: Mapping[str, int] | None = None,
+        fair: FairShare | None = None,
     ) -> list[Any]:
         """Preempt idle residents for the claimants; return the victims.
 
@@ -264,6 +280,7 @@ class Residency:
             feeds,
             user_last_served,
             priority_of=_priority_of if claim_priority is not None else None,
+            fair=fair,
         )
         if not holders:
             return []
@@ -272,7 +289,8 @@ class Residency:
         # by ``admitted`` when vLLM reaches their requests.
         planned = Counter(slots.resident)
         free_slots = slots.free
-        for user, before in claim_order(slots.wanted, planned, user_last_served):
+        claims = claim_order(slots.wanted, planned, user_last_served, fair)
+        for user, before in claims:
             if free_slots > 0:
                 free_slots -= 1
                 continue

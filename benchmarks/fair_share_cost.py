@@ -1,0 +1,109 @@
+"""Benchmark: a scheduler step with fair shares ranking contested slots.
+
+``R`` resident requests spread round-robin over ``U`` users, half of the
+users at weight 2, limits far above demand, and ``--max-num-active-seqs``
+at ``R / 2``: every step hands the active slots out by rank
+(``ordering.share_slots``) and defers the other half. Stock vLLM runs the
+same requests with the same configuration (it admits ``R / 2`` and queues
+the rest). Schedulers are stepped side by side in shuffled rounds (the
+machines are noisy); a ratio is the median over rounds of ours / stock in
+the same round. The claim checked: the cost grows with the users, not the
+resident requests, so ``U = 10,000`` costs about what ``U = 256`` does at
+the same ``R``.
+
+Usage::
+
+    PYTHONPATH=tests:. python -m benchmarks.fair_share_cost [--requests 4096]
+        [--rounds 30]
+
+Not part of ``make bench``'s report yet: it prints its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from harness.scheduler_sim import make_scheduler
+from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+HUGE_RATE = 1e9
+STEP_NS = 1_000_000
+USER_COUNTS = (256, 10_000)
+
+
+def _subject(
+    model_path: str, requests: int, users: int | None, seed: int
+) -> tuple[str, Any]:
+    limits = None
+    if users is not None:
+        weights = {f"user-{i}": 2.0 for i in range(0, users, 2)}
+        limits = {
+            "default_user_output_tokens_per_second": HUGE_RATE,
+            "user_output_weight": weights,
+        }
+    h = make_scheduler(
+        model_path,
+        limits=limits,
+        num_blocks=requests * 8,
+        max_num_seqs=requests,
+        max_num_active_seqs=requests // 2,
+        max_num_batched_tokens=requests * 16,
+    )
+    rng = random.Random(seed)
+    for k in range(requests):
+        user = f"user-{k % (users or 1)}"
+        h.add(user, prompt_len=8 + rng.randrange(16), max_tokens=1_000_000)
+    return ("stock" if users is None else f"U={users:,}"), h
+
+
+def run(requests: int, rounds: int) -> dict[str, dict[str, float]]:
+    model_path = str(build_tiny_model())
+    subjects = [_subject(model_path, requests, None, 1)]
+    subjects += [_subject(model_path, requests, u, 1) for u in USER_COUNTS]
+    for _, h in subjects:  # prefill everyone, then reach the steady state
+        for _ in range(8):
+            h.step(STEP_NS)
+    times: dict[str, list[int]] = {name: [] for name, _ in subjects}
+    ratios: dict[str, list[float]] = {name: [] for name, _ in subjects}
+    rng = random.Random(7)
+    for _ in range(rounds):
+        order = list(subjects)
+        rng.shuffle(order)
+        this_round = {}
+        for name, h in order:
+            started = time.perf_counter_ns()
+            h.step(STEP_NS)
+            this_round[name] = time.perf_counter_ns() - started
+            times[name].append(h.schedule_ns)
+        for name in this_round:
+            ratios[name].append(this_round[name] / this_round["stock"])
+    return {
+        name: {
+            "schedule_ms": statistics.median(times[name]) / 1e6,
+            "step_ratio_to_stock": statistics.median(ratios[name]),
+        }
+        for name in times
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    results = run(args.requests, args.rounds)
+    print(f"R = {args.requests:,} resident, active slots R/2, {args.rounds} rounds")
+    print("| scheduler | schedule() median ms | step / stock (median) |")
+    print("| --- | --- | --- |")
+    for name, row in results.items():
+        print(
+            f"| {name} | {row['schedule_ms']:.2f} | {row['step_ratio_to_stock']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

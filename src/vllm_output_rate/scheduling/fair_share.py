@@ -1,0 +1,180 @@
+"""Who is owed service when the engine is the bottleneck (no vLLM import).
+
+Ceilings (the limiter) say how much a user may receive at most; this module
+says who goes first when the engine cannot serve every runnable request in a
+step: active slots, resident slots or the step's token budget run out while
+users are below their ceilings.
+
+**Weights** (VTC, Sheng et al., OSDI 2024). Every user has a *virtual
+service counter* ``V_u``: the service it received, divided by its weight
+(default 1). Service is counted in tokens: each output token costs 1, each
+prompt token computed (prefill, or recompute after a preemption) costs
+``PREFILL_TOKEN_COST``. The ranking (``key``) puts the user with the lowest
+counter first; within a step, the ``k``-th slot a user would take is ranked
+at ``V_u + k / w_u``, so slots are handed out as weighted round-robin in
+tokens, not in requests.
+
+Idling earns no credit. The *level* ``L`` is the lowest counter among the
+*backlogged* users of the last step (those with a runnable request left
+unserved for lack of room); every other user's counter is read as
+``max(V_u, L)`` (and written so when it is next charged). So a newly
+arriving user, a user back from idling, and a user held back by its own
+ceiling all start level with the least-served backlogged user: ahead of
+nobody that is owed more, and starved by nobody's past.
+
+**Floors.** A user with a floor ``f`` tok/s earns ``f`` tokens of *floor
+credit* per second while it has unfinished requests (capped at
+``FLOOR_BURST_S`` of its floor, at least one token) and spends one per output
+token it receives; with no unfinished request the credit is zero (no
+banking). While it holds at least one token of credit it is *below its
+floor*: its next ``floor(credit)`` slots rank ahead of every counter. A user
+whose credit reached the cap is behind its floor by a whole burst: that time
+is counted (``below_floor_ns``) and exported as a metric, so an operator
+sees when a floor was not kept (floors are best effort unless their sum fits
+the declared engine capacity, ``--output-rate-engine-capacity``).
+
+The bound this gives, and its proof, are in docs/architecture.md ("Fair
+shares"). The per-step cost is O(users served + backlogged users), never
+O(resident requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+# What one prompt token computed costs, relative to one output token (VTC's
+# evaluation weighs input tokens at half an output token). Prefill is paid
+# once per request; decoding is what users wait for.
+PREFILL_TOKEN_COST = 0.5
+# How far ahead of its floor's pace a user's credit may grow (seconds of its
+# floor): the floor's burst, like the ceilings' 100 ms.
+FLOOR_BURST_S = 0.1
+DEFAULT_WEIGHT = 1.0
+NS_PER_S = 1_000_000_000
+# Longest gap between two steps credited to floors (an idle engine does not
+# step: no-one is below its floor because nothing ran).
+MAX_CREDIT_GAP_NS = 1_000_000_000
+
+
+class FairShare:
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        floors: Mapping[str, float] | None = None,
+    ) -> None:
+        self.weights: dict[str, float] = dict(weights or {})
+        self.floors: dict[str, float] = dict(floors or {})
+        # Virtual service per user (tokens / weight), read through service().
+        self._service: dict[str, float] = {}
+        self.level = 0.0
+        self._credit: dict[str, float] = {}
+        # Time each floored user spent a whole burst behind its floor.
+        self.below_floor_ns: dict[str, int] = {}
+        self._last_ns: int | None = None
+
+    # ----- settings -----------------------------------------------------
+
+    def weight(self, user: str) -> float:
+        return self.weights.get(user, DEFAULT_WEIGHT)
+
+    def update(
+        self,
+        weights: Mapping[str, float] | None = None,
+        floors: Mapping[str, float] | None = None,
+        remove_users: Collection[str] = (),
+    ) -> None:
+        """Change weights and floors from the next step on (validated by
+        the caller: ``config.parse_fairness``)."""
+        for user in remove_users:
+            self.weights.pop(user, None)
+            self.floors.pop(user, None)
+            self._credit.pop(user, None)
+        self.weights.update(weights or {})
+        self.floors.update(floors or {})
+
+    # ----- ranking ------------------------------------------------------
+
+    def service(self, user: str) -> float:
+        """``V_u`` as the ranking reads it: never below the level."""
+        own = self._service.get(user)
+        return self.level if own is None or own < self.level else own
+
+    def credit(self, user: str) -> float:
+        return self._credit.get(user, 0.0)
+
+    def key(self, user: str, k: int, last_served: int) -> tuple[int, float, int]:
+        """The rank of ``user``'s ``k``-th slot in this step (0-based)."""
+        below = self._credit.get(user, 0.0) - k >= 1.0
+        return (
+            0 if below else 1,
+            self.service(user) + k / self.weight(user),
+            last_served,
+        )
+
+    # ----- after a step -------------------------------------------------
+
+    def charge(
+        self,
+        output_tokens: Mapping[str, int],
+        prompt_tokens: Mapping[str, int],
+    ) -> None:
+        """Add a step's service: output tokens and prompt tokens computed."""
+        for counts, cost in ((output_tokens, 1.0), (prompt_tokens, PREFILL_TOKEN_COST)):
+            for user, count in counts.items():
+                if count:
+                    self._service[user] = self.service(
+                        user
+                    ) + cost * count / self.weight(user)
+
+    def backlogged(self, users: Collection[str], capped: Collection[str]) -> None:
+        """Raise the level to the lowest counter among the users that had a
+        runnable request left unserved in the step (none: unchanged), then
+        lift the users held back by their own ceiling (``capped``) to it:
+        service a user's limit declined is not owed to it later."""
+        if capped:
+            users = [user for user in users if user not in capped]
+        if users:
+            self.level = max(self.level, min(map(self.service, users)))
+        level = self.level
+        service = self._service
+        for user in capped:
+            if service.get(user, level) < level:
+                service[user] = level
+
+    def credit_floors(
+        self,
+        now_ns: int,
+        unfinished: Mapping[str, int],
+        received: Mapping[str, int],
+    ) -> None:
+        """Floors: credit the time since the last step, spend what was
+        received, count time a whole burst behind."""
+        last, self._last_ns = self._last_ns, now_ns
+        if not self.floors:
+            return
+        elapsed = 0 if last is None else min(now_ns - last, MAX_CREDIT_GAP_NS)
+        credit = self._credit
+        for user, floor in self.floors.items():
+            if not unfinished.get(user):
+                credit.pop(user, None)
+                continue
+            cap = max(1.0, floor * FLOOR_BURST_S)
+            earned = credit.get(user, 0.0) + floor * elapsed / NS_PER_S
+            if earned >= cap:  # a whole burst behind its floor
+                self.below_floor_ns[user] = self.below_floor_ns.get(user, 0) + elapsed
+            credit[user] = max(0.0, min(cap, earned) - received.get(user, 0))
+
+    def forget(self, live: Collection[str]) -> None:
+        """Drop the counters of users with no unfinished request (memory
+        bound): when they come back they start at the level, as they would
+        have anyway unless they had been served more than everyone."""
+        self._service = {u: v for u, v in self._service.items() if u in live}
+
+    def snapshot(self, user: str) -> dict[str, float]:
+        """A user's fair-share state for the stats endpoint."""
+        view = {"weight": self.weight(user), "virtual_service": self.service(user)}
+        floor = self.floors.get(user)
+        if floor is not None:
+            view["floor"] = floor
+            view["below_floor_seconds"] = self.below_floor_ns.get(user, 0) / NS_PER_S
+        return view

@@ -1,0 +1,139 @@
+"""Issue 16 on a real server: weights and a floor when the engine is full.
+
+One module-scoped server (``--max-num-active-seqs 3``, limits far above
+demand, so the engine itself is the bottleneck), two scenarios one after the
+other, driven by the official OpenAI client; streams run until the scenario
+ends (they are long enough never to finish) and are then closed. Shares are
+judged at the engine, from the scheduler's dispatch log, over each
+scenario's window: from 1 s after the last of its users got a first token
+(on this loaded 2-core machine the API server takes seconds to start 34
+streams) to its end. The machine's speed does not matter, only who got the
+engine's tokens.
+
+1. ``many`` (weight 1, 16 streams) beside ``light`` (weight 2, 2 streams):
+   2 : 1 in tokens within 10 % (by streams it would be 1 : 8).
+2. ``hog`` (weight 20, 32 streams) beside ``floored`` (floor 60 tok/s, 2
+   streams): by weight alone ``floored`` would get 1/21 of the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI
+
+from harness.bounds import S
+from vllm_output_rate.demo.server import running_server
+from vllm_output_rate.scheduling.dispatch_log import ENV as DISPATCH_LOG_ENV
+from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
+
+pytestmark = pytest.mark.e2e
+
+FLOOR = 60.0
+SCENARIO_S = 12.0
+ARGS = [
+    "--max-model-len",
+    "4096",
+    "--max-num-seqs",
+    "40",
+    "--max-num-active-seqs",
+    "3",
+    "--default-user-output-tokens-per-second",
+    "100000",
+    "--user-output-weight",
+    json.dumps({"light": 2, "hog": 20}),
+    "--user-min-output-tokens-per-second",
+    json.dumps({"floored": FLOOR}),
+]
+
+
+async def stream(client: AsyncOpenAI, model: str, user: str) -> None:
+    response = await client.completions.create(
+        model=model,
+        prompt="fair shares",
+        max_tokens=3500,
+        stream=True,
+        extra_body={"ignore_eos": True, "vllm_xargs": {"output_rate_user": user}},
+    )
+    async for _ in response:
+        pass
+
+
+async def run_scenario(
+    url: str, model: str, streams: dict[str, int]
+) -> tuple[int, int]:
+    """Open the streams, hold them for the scenario, close them; return the
+    window (monotonic ns, the engine's clock too) to judge."""
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+    started = time.monotonic_ns()
+    tasks = [
+        asyncio.create_task(stream(client, model, user))
+        for user, count in streams.items()
+        for _ in range(count)
+    ]
+    try:
+        await asyncio.sleep(SCENARIO_S)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+    ended = time.monotonic_ns()
+    await asyncio.sleep(1.0)  # aborted streams leave the engine
+    return started, ended - S // 2
+
+
+@dataclass
+class Share:
+    tokens: dict[str, int]
+    window_s: float
+
+
+def share(dispatched: dict[str, list[int]], users: list[str], start: int, end: int):
+    """Tokens per user from 1 s after every user was served until ``end``."""
+    times = {u: [t for t in dispatched.get(u, []) if start <= t <= end] for u in users}
+    assert all(times.values()), {u: len(t) for u, t in times.items()}
+    begin = max(t[0] for t in times.values()) + S
+    assert end - begin >= 4 * S, (end - begin) / S  # a window worth judging
+    counts = {u: sum(begin <= t for t in ts) for u, ts in times.items()}
+    return Share(counts, (end - begin) / S)
+
+
+@pytest.fixture(scope="module")
+def shares(tiny_model_path: str, tmp_path_factory) -> dict[str, Share]:
+    log = Path(tmp_path_factory.mktemp("fair")) / "dispatch.csv"
+    env = {"VLLM_PLUGINS": "output_rate,output_rate_http", DISPATCH_LOG_ENV: str(log)}
+    with running_server(tiny_model_path, ARGS, env=env) as url:
+        weighted = asyncio.run(
+            run_scenario(url, tiny_model_path, {"many": 16, "light": 2})
+        )
+        floored = asyncio.run(
+            run_scenario(url, tiny_model_path, {"hog": 32, "floored": 2})
+        )
+        time.sleep(1.5)  # the log is written a second behind the engine
+        dispatched = read_dispatch_log(str(log))
+    return {
+        "weighted": share(dispatched, ["many", "light"], *weighted),
+        "floored": share(dispatched, ["hog", "floored"], *floored),
+    }
+
+
+def test_two_to_one_weights_get_two_to_one_tokens(shares) -> None:
+    got = shares["weighted"].tokens
+    assert got["many"] > 100, got  # the window saw real work
+    assert 1.8 <= got["light"] / got["many"] <= 2.2, got
+
+
+def test_a_floored_user_keeps_its_floor_beside_a_32_stream_user(shares) -> None:
+    got, window_s = shares["floored"].tokens, shares["floored"].window_s
+    assert got["floored"] >= 0.9 * FLOOR * window_s, (got, window_s)
+    # Not much more: beyond its floor it has its weight's share (1/21).
+    total = got["floored"] + got["hog"]
+    assert got["floored"] <= max(1.2 * FLOOR * window_s, total / 21 * 1.3), got
