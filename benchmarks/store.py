@@ -147,7 +147,9 @@ def step_cost(url: str, users: int, steps: int) -> dict[str, Any]:
             clock=clock,
             max_num_seqs=users,
             max_num_batched_tokens=max(2048, users * 2),
-            num_blocks=users * 4 + 64,
+            # 128 tokens per request: warm-up and the timed steps never
+            # run out of KV blocks (a preemption would skew the step time).
+            num_blocks=users * 8 + 64,
         )
         refresher = None
         if kind == "store":
