@@ -140,30 +140,21 @@ def run(
     noise = NoiseMonitor()
     noise.start()
     try:
-        if "scheduler_cost" in selected:
-            noise.mark("scheduler_cost")
+        alone: dict[str, Callable[[], dict[str, Any]]] = {
+            "scheduler_cost": lambda: _scheduler_cost(quick),
+            "store": lambda: _store(quick, work_dir),
+            "speculative": lambda: _speculative(quick, work_dir),
+        }
+        for name, measure in alone.items():  # each starts what it needs
+            if name not in selected:
+                continue
+            noise.mark(name)
             t0 = time.monotonic()
             try:
-                done["scheduler_cost"] = _scheduler_cost(quick)
+                done[name] = measure()
             except Exception as exc:
-                errors["scheduler_cost"] = _error(exc)
-            log(f"scheduler_cost: {time.monotonic() - t0:.0f} s")
-        if "store" in selected:
-            noise.mark("store")
-            t0 = time.monotonic()
-            try:
-                done["store"] = _store(quick, work_dir)
-            except Exception as exc:
-                errors["store"] = _error(exc)
-            log(f"store: {time.monotonic() - t0:.0f} s")
-        if "speculative" in selected:
-            noise.mark("speculative")
-            t0 = time.monotonic()
-            try:
-                done["speculative"] = _speculative(quick, work_dir)
-            except Exception as exc:
-                errors["speculative"] = _error(exc)
-            log(f"speculative: {time.monotonic() - t0:.0f} s")
+                errors[name] = _error(exc)
+            log(f"{name}: {time.monotonic() - t0:.0f} s")
         names = [n for n in ORDER if n in selected and n in SERVER_BENCHMARKS]
         if names:
             pool = _servers(names, quick, work_dir, noise, done, errors)
