@@ -53,7 +53,7 @@ typecheck: $(STAMP)
 
 # Benchmarks live outside the package; they share the scheduler harness
 # with the tests (tests/harness). Options: make bench BENCH_ARGS="--quick"
-# (or "--only accuracy", "--from-results results/bench/<stamp>/results.json").
+# (or "--only accuracy", "--from-results results/bench/<stamp>/results.json [...]").
 BENCH_ARGS ?=
 bench: $(STAMP)
 	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks $(BENCH_ARGS)
