@@ -25,7 +25,7 @@ from vllm_output_rate.loadtest import (
     list_models_sync,
     run_load_sync,
 )
-from vllm_output_rate.loadtest.spec import ENDPOINT_PATHS
+from vllm_output_rate.loadtest.spec import ENDPOINT_PATHS, any_api_key
 
 HELP = "measure per-user output tok/s against a running vLLM server"
 # In --users / --limits, this name means "no output_rate_user" (anonymous).
@@ -225,9 +225,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = args.model
         if model is None:
-            models = list_models_sync(
-                args.base_url, api_key=next(iter((keys or {}).values()), None)
-            )
+            models = list_models_sync(args.base_url, api_key=any_api_key(keys))
             if not models:
                 return fail(f"{args.base_url} serves no models")
             model = models[0]

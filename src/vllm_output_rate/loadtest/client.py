@@ -30,6 +30,7 @@ from vllm_output_rate.loadtest.spec import (
     LoadSpec,
     UserLoad,
     any_api_key,
+    bearer,
     build_request_body,
     normalize_base_url,
     request_headers,
@@ -221,9 +222,10 @@ async def _get_models(
     api_key: str | None = None,
 ) -> httpx.Response:
     """``GET /v1/models``; LoadError naming the URL if it cannot be reached."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        return await client.get("/v1/models", timeout=timeout_s, headers=headers)
+        return await client.get(
+            "/v1/models", timeout=timeout_s, headers=bearer(api_key)
+        )
     except httpx.TransportError as exc:
         raise LoadError(
             f"could not reach the vLLM server at {base_url}/v1/models "
@@ -312,7 +314,7 @@ async def run_load(
     async with httpx.AsyncClient(
         base_url=base, timeout=timeout, limits=limits
     ) as client:
-        await preflight(client, base, spec.model, any_api_key(spec))
+        await preflight(client, base, spec.model, any_api_key(spec.api_keys))
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run = _Run(spec, client, time.monotonic())
         tasks = [

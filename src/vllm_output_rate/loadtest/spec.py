@@ -10,6 +10,7 @@ Everything here is pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,15 +132,20 @@ def normalize_base_url(base_url: str) -> str:
     return url
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that carries ``api_key`` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def request_headers(spec: LoadSpec, user: UserLoad) -> dict[str, str]:
     """The HTTP headers of every request a stream of ``user`` sends."""
-    key = (spec.api_keys or {}).get(user.name) if user.name is not None else None
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    keys = spec.api_keys or {}
+    return bearer(keys.get(user.name) if user.name is not None else None)
 
 
-def any_api_key(spec: LoadSpec) -> str | None:
+def any_api_key(api_keys: Mapping[str, str] | None) -> str | None:
     """A key for the server's non-generating routes (the model list)."""
-    return next(iter((spec.api_keys or {}).values()), None)
+    return next(iter((api_keys or {}).values()), None)
 
 
 def build_request_body(spec: LoadSpec, user: UserLoad) -> dict[str, Any]:

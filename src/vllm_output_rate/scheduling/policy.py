@@ -802,15 +802,9 @@ class OutputRatePolicy:
         shares = {
             label: fair.snapshot(label) for label in labels if label != OTHER_USERS
         }
-        snapshot: dict[str, Any] = {
-            "labels": labels,
-            "limits": limits,
-            "fair_shares": shares,
-        }
-        if self.leases is not None:
-            self.leases.apply_pending()  # an idle engine takes no steps
-            snapshot["store"] = self.leases.store_snapshot()
-        return snapshot
+        return self._with_store(
+            {"labels": labels, "limits": limits, "fair_shares": shares}
+        )
 
     def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
         """One page of every user on record, with its limit (see
@@ -820,17 +814,22 @@ class OutputRatePolicy:
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
             view.update(self.fair.snapshot(user))
-        page: dict[str, Any] = {
-            "time_s": now_ns / 1e9,
-            "default_limit": self.limiter.default_rate,
-            "users": users,
-            "next": cursor,
-            "total": total,
-        }
+        return self._with_store(
+            {
+                "time_s": now_ns / 1e9,
+                "default_limit": self.limiter.default_rate,
+                "users": users,
+                "next": cursor,
+                "total": total,
+            }
+        )
+
+    def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """``snapshot`` plus the shared store's state, when there is one."""
         if self.leases is not None:
             self.leases.apply_pending()  # an idle engine takes no steps
-            page["store"] = self.leases.store_snapshot()
-        return page
+            snapshot["store"] = self.leases.store_snapshot()
+        return snapshot
 
     def idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.
