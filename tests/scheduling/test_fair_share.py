@@ -234,6 +234,26 @@ def run_floor(limited, floors: dict[str, float] | None) -> tuple[int, SchedulerH
     return got["floored"], h
 
 
+def test_plenty_earns_no_debt(limited) -> None:
+    """Service while the engine had room for everyone is not counted: a user
+    that ran three streams beside another's one is not starved when the
+    other opens more (VTC, which counts every token, would give the other
+    all four slots for some 50 steps)."""
+    h = start(limited, {"a": Tenant(3), "b": Tenant(1)}, 4, max_num_seqs=16)
+    for _ in range(100):
+        h.step(STEP_NS)
+    got_before = Counter(d.user for d in h.dispatches if d.samples)
+    assert got_before["a"] >= 3 * got_before["b"] - 3  # nobody waited
+    for _ in range(7):  # more than the slots: both users are backlogged
+        h.add("b", max_tokens=100_000)
+    start_at = len(h.dispatches)
+    for _ in range(40):
+        h.step(STEP_NS)
+    got = Counter(d.user for d in h.dispatches[start_at:] if d.samples)
+    assert abs(got["a"] - got["b"]) <= 8, got  # even from the first steps on
+    h.settle()
+
+
 def test_a_floored_user_keeps_its_floor_beside_a_saturating_user(limited) -> None:
     without, h0 = run_floor(limited, None)
     assert without <= 25 * 3  # ~19 tok/s by weight alone

@@ -22,6 +22,12 @@ arriving user, a user back from idling, and a user held back by its own
 ceiling all start level with the least-served backlogged user: ahead of
 nobody that is owed more, and starved by nobody's past.
 
+Plenty earns no debt. Only steps that left someone waiting are counted: in
+the others everyone got all it asked for, and nobody is owed anything for
+them (VTC counts every token, so a user that ran three streams beside
+another's one while the engine had room would lose every slot to it when
+the engine fills up, until the other caught up).
+
 **Floors.** A user with a floor ``f`` tok/s earns ``f`` tokens of *floor
 credit* per second while it has unfinished requests (capped at
 ``FLOOR_BURST_S`` of its floor, at least one token) and spends one per output
@@ -119,27 +125,23 @@ class FairShare:
         prompt_tokens: Mapping[str, int],
     ) -> None:
         """Add a step's service: output tokens and prompt tokens computed."""
+        service, level, weights = self._service, self.level, self.weights
         for counts, cost in ((output_tokens, 1.0), (prompt_tokens, PREFILL_TOKEN_COST)):
             for user, count in counts.items():
-                if count:
-                    self._service[user] = self.service(
-                        user
-                    ) + cost * count / self.weight(user)
+                own = service.get(user, level)
+                weight = weights.get(user, DEFAULT_WEIGHT)
+                service[user] = max(own, level) + cost * count / weight
 
     def backlogged(self, users: Collection[str], capped: Collection[str]) -> None:
         """Raise the level to the lowest counter among the users that had a
-        runnable request left unserved in the step (none: unchanged), then
-        lift the users held back by their own ceiling (``capped``) to it:
-        service a user's limit declined is not owed to it later."""
+        runnable request left unserved in the step (none: unchanged). The
+        users held back by their own ceiling (``capped``) do not count:
+        service a user's limit declined is not owed to it later (and, read
+        as at least the level, they start level with the others)."""
         if capped:
             users = [user for user in users if user not in capped]
         if users:
             self.level = max(self.level, min(map(self.service, users)))
-        level = self.level
-        service = self._service
-        for user in capped:
-            if service.get(user, level) < level:
-                service[user] = level
 
     def credit_floors(
         self,

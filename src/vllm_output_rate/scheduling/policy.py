@@ -599,10 +599,15 @@ class OutputRatePolicy:
         received: Mapping[str, int],
         now_ns: int,
     ) -> None:
-        """Charge the step's service to the users' virtual counters, raise
-        the level to the least-served backlogged user, credit floors."""
+        """In a step that left someone waiting, charge its service to the
+        users' virtual counters and raise the level to the least-served
+        backlogged user; credit floors in every step.
+
+        A step that left nobody waiting is not counted: everyone got all it
+        asked for, so nobody is owed anything for it (and a user that ran
+        more streams while the engine had room is not starved for it when
+        the engine fills up). It also keeps plain decoding O(1) here."""
         fair = self.fair
-        fair.charge(received, self._prompt_tokens(output))
         backlogged: Collection[str] = self._deferred_users
         if self.slots is not None and self.slots.wanted:
             backlogged = self._deferred_users.union(self.slots.left_waiting())
@@ -612,7 +617,9 @@ class OutputRatePolicy:
                 # One user alone with requests waiting: it is backlogged
                 # (steps of one user do not rank, see _crowded).
                 backlogged = unfinished.keys()
-        fair.backlogged(backlogged, self.budget.refused_users)
+        if backlogged:
+            fair.charge(received, self._prompt_tokens(output))
+            fair.backlogged(backlogged, self.budget.refused_users)
         fair.credit_floors(now_ns, self.demand.unfinished, received)
 
     def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
