@@ -11,7 +11,8 @@ and the checkout on PYTHONPATH (``make bench BENCH_ARGS="--quick"`` passes
 options). Benchmarks, in the order they run: ``scheduler_cost`` (one
 scheduler step without a model, before any server starts), ``store``
 (several engines sharing one Redis store, with its own redis-server and
-engines), ``speculative`` (its own servers with speculation on), then
+engines), ``speculative`` (its own servers with speculation on),
+``fair_shares`` (its own saturated servers, then the ranking's step cost), then
 ``throughput``, ``isolation``, ``idle``, ``accuracy`` and
 ``metrics_scrape`` on real vLLM OpenAI servers, stock against ours
 (``benchmarks.suite``).

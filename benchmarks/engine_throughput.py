@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,6 +48,10 @@ PROMPT_TOKEN_IDS = [1, 45, 49, 173, 170, 43, 172, 97]  # tiny model's vocab
 READY_TIMEOUT_S = 600.0
 ROUND_TIMEOUT_S = 300.0
 KINDS = ("stock", "ours")
+# The same engines on a saturated load (section 9, benchmarks.fair_shares):
+# few active slots, users with weights and a floor on ours.
+SATURATED = "-saturated"
+SATURATED_KINDS = ("stock" + SATURATED, "ours" + SATURATED)
 # "ours" leasing its limits from the store at this URL (benchmarks/store.py).
 STORE_KIND = "ours-store"
 STORE_URL_ENV = "VLLM_OUTPUT_RATE_BENCH_STORE_URL"
@@ -66,13 +71,28 @@ def _child(kind: str, model: str) -> None:
     from vllm import LLM, SamplingParams
 
     extra: dict[str, Any] = {}
-    if kind in ("ours", STORE_KIND):
+    saturated = kind.endswith(SATURATED)
+    base = kind.removesuffix(SATURATED)
+    if base in ("ours", STORE_KIND):
         section: dict[str, Any] = {
             "default_user_output_tokens_per_second": DEFAULT_LIMIT
         }
         if kind == STORE_KIND:
             section["store_url"] = os.environ[STORE_URL_ENV]
+        if saturated:
+            from benchmarks.fair_shares import FAIRNESS_CONFIG
+
+            section.update(FAIRNESS_CONFIG)
         extra["additional_config"] = {"output_rate": section}
+    load = (
+        saturated_load()
+        if saturated
+        else Load(STREAMS, MAX_TOKENS, GENERATES_PER_ROUND)
+    )
+    if saturated:
+        from benchmarks.fair_shares import ENGINE_LIMITS
+
+        extra.update(ENGINE_LIMITS)
     # The same engine settings as the benchmark servers (demo/server.py and
     # servers.SERVER_ARGS).
     llm = LLM(
@@ -80,12 +100,18 @@ def _child(kind: str, model: str) -> None:
         dtype="float32",
         enforce_eager=True,
         max_model_len=4096,
-        max_num_seqs=64,
-        **extra,
+        **({"max_num_seqs": 64} | extra),
     )
     scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * STREAMS
+    params = [
+        SamplingParams(
+            max_tokens=load.max_tokens,
+            ignore_eos=True,
+            extra_args={"output_rate_user": user} if user else None,
+        )
+        for user in load.users
+    ]
+    prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * len(load.users)
     for _ in range(WARMUP_GENERATES):
         llm.generate(prompts, params, use_tqdm=False)
     _reply({"ready": True, "scheduler_cls": str(scheduler_cls)})
@@ -96,10 +122,32 @@ def _child(kind: str, model: str) -> None:
             llm.generate(prompts, params, use_tqdm=False)
         tokens = 0
         started = time.perf_counter()
-        for _ in range(GENERATES_PER_ROUND):
+        for _ in range(load.generates_per_round):
             outputs = llm.generate(prompts, params, use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
         _reply({"tokens": tokens, "seconds": time.perf_counter() - started})
+
+
+@dataclass
+class Load:
+    """One round's work: ``generates_per_round`` batches of one request per
+    entry of ``users`` (None: anonymous), ``max_tokens`` each."""
+
+    streams: int
+    max_tokens: int
+    generates_per_round: int
+    users: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.users:
+            self.users = [None] * self.streams
+
+
+def saturated_load() -> Load:
+    from benchmarks.fair_shares import ENGINE_LOAD_USERS
+
+    users: list[str | None] = list(ENGINE_LOAD_USERS)
+    return Load(len(users), 64, 2, users)
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -119,7 +167,7 @@ class _Engine:
             "PYTHONPATH": python_path,  # with the step-timing hook first
             step_timing.PATH_ENV: self.timing_path,
         }
-        if kind == "stock":
+        if kind.startswith("stock"):
             env["VLLM_PLUGINS"] = ""  # the plugin is not even loaded
         self.kind = kind
         self.log_path = work_dir / f"engine-{kind}.log"
@@ -251,11 +299,16 @@ def engine_throughput(
         ratios.append(rate[kinds[1]] / rate[kinds[0]])
     ratio = median(ratios)
     q1, q3 = quartiles(ratios)
+    load = (
+        saturated_load()
+        if kinds == SATURATED_KINDS
+        else Load(STREAMS, MAX_TOKENS, GENERATES_PER_ROUND)
+    )
     return {
         "rounds": rounds,
-        "streams": STREAMS,
-        "max_tokens": MAX_TOKENS,
-        "generates_per_round": GENERATES_PER_ROUND,
+        "streams": load.streams,
+        "max_tokens": load.max_tokens,
+        "generates_per_round": load.generates_per_round,
         "default_limit": DEFAULT_LIMIT,
         "scheduler_cls": scheduler_cls,
         "step_timing": timing,
@@ -268,7 +321,9 @@ def engine_throughput(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=(*KINDS, STORE_KIND), required=True)
+    parser.add_argument(
+        "--child", choices=(*KINDS, STORE_KIND, *SATURATED_KINDS), required=True
+    )
     parser.add_argument("--model", required=True)
     args = parser.parse_args()
     _child(args.child, args.model)

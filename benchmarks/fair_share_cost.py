@@ -16,7 +16,8 @@ Usage::
     PYTHONPATH=tests:. python -m benchmarks.fair_share_cost [--requests 4096]
         [--rounds 30]
 
-Not part of ``make bench``'s report yet: it prints its table.
+``make bench`` runs it as part of ``benchmarks.fair_shares`` (section 9);
+alone, it prints its table.
 """
 
 from __future__ import annotations

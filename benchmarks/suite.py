@@ -4,9 +4,10 @@ machine and versions, each benchmark's results or why it did not run, how
 busy the rest of the machine was meanwhile, and the servers' start-up times.
 The report (``benchmarks.report``) is made from this dict alone.
 
-Order: ``scheduler_cost``, ``store`` and ``speculative`` first (no shared
-server; ``store`` starts its own redis-server and engines, ``speculative``
-its own servers with speculation on), then the server benchmarks,
+Order: ``scheduler_cost``, ``store``, ``speculative`` and ``fair_shares``
+first (no shared server; ``store`` starts its own redis-server and engines,
+``speculative`` its own servers with speculation on, ``fair_shares`` its own
+saturated servers), then the server benchmarks,
 which share one pool of servers: each server starts once, before the first
 benchmark that needs it, and stops after the last.
 """
@@ -36,6 +37,7 @@ ORDER = (
     "scheduler_cost",
     "store",
     "speculative",
+    "fair_shares",
     "throughput",
     "isolation",
     "idle",
@@ -55,6 +57,7 @@ SERVERS_NEEDED: dict[str, set[str]] = {
     "scheduler_cost": set(),
     "store": set(),  # starts its own redis-server and engines
     "speculative": set(),  # starts its own servers (speculation on)
+    "fair_shares": set(),  # starts its own servers (few active slots)
     "throughput": {"stock", "ours"},
     "isolation": {"stock", "ours"},
     "idle": {"stock", "ours", "ours-nowait"},
@@ -83,6 +86,13 @@ def _speculative(quick: bool, work_dir: Path) -> dict[str, Any]:
 
     with contextlib.redirect_stdout(sys.stderr):
         return speculative.run(quick=quick, work_dir=work_dir / "speculative")
+
+
+def _fair_shares(quick: bool, work_dir: Path) -> dict[str, Any]:
+    from benchmarks import fair_shares
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return fair_shares.run(quick=quick, work_dir=work_dir / "fair_shares")
 
 
 def _error(exc: BaseException) -> str:
@@ -144,6 +154,7 @@ def run(
             "scheduler_cost": lambda: _scheduler_cost(quick),
             "store": lambda: _store(quick, work_dir),
             "speculative": lambda: _speculative(quick, work_dir),
+            "fair_shares": lambda: _fair_shares(quick, work_dir),
         }
         for name, measure in alone.items():  # each starts what it needs
             if name not in selected:

@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.report import (
     accuracy,
+    fair_shares,
     idle,
     isolation,
     metrics_scrape,
@@ -39,6 +40,7 @@ SECTIONS: dict[str, ModuleType] = {
     "metrics_scrape": metrics_scrape,
     "store": store,
     "speculative": speculative,
+    "fair_shares": fair_shares,
 }
 SERVER_BENCHMARKS = (
     "throughput",
@@ -47,6 +49,7 @@ SERVER_BENCHMARKS = (
     "accuracy",
     "metrics_scrape",
     "speculative",
+    "fair_shares",
 )
 HISTORY = Path(__file__).with_name("history.md")
 

@@ -91,3 +91,99 @@ def test_the_bound_excess_counts_tokens_beyond_the_bound() -> None:
     assert bound_excess(paced, 20) == pytest.approx(-2.0)  # the unused burst
     crowded = sorted([*paced, paced[10] + 1, paced[10] + 2, paced[10] + 3])
     assert bound_excess(crowded, 20) == pytest.approx(1.0, abs=1e-6)
+
+
+def fair_runs(light_share: float) -> list[dict[str, Any]]:
+    """One round of each scenario on each server, shaped as
+    ``benchmarks.fair_shares.servers`` records them."""
+    from benchmarks.fair_shares import SCENARIOS
+
+    runs = []
+    for scenario, streams in SCENARIOS.items():
+        first, second = streams
+        for server in ("stock", "ours"):
+            share = {"weights": light_share, "equal": 0.5, "floor": 0.2}[scenario]
+            if server == "stock":
+                share = 0.1
+            total = 300.0
+            runs.append(
+                {
+                    "scenario": scenario,
+                    "server": server,
+                    "round": 0,
+                    "window_s": 10.0,
+                    "total_tok_s": total,
+                    first: {
+                        "tok_s": total * (1 - share),
+                        "share": 1 - share,
+                        "ttft_p50_ms": 50.0,
+                        "ttft_p95_ms": 90.0,
+                        "requests": 9,
+                    },
+                    second: {
+                        "tok_s": total * share,
+                        "share": share,
+                        "ttft_p50_ms": 5.0,
+                        "ttft_p95_ms": 9.0,
+                        "requests": 20,
+                    },
+                }
+            )
+    return runs
+
+
+def fair_results(light_share: float, engine_ratio: float) -> dict[str, Any]:
+    from benchmarks.fair_shares import summarize
+
+    runs = fair_runs(light_share)
+    return {
+        "servers": {"runs": runs, "summary": summarize(runs)},
+        "engine": {
+            "rounds": 4,
+            "streams": 12,
+            "max_tokens": 64,
+            "generates_per_round": 2,
+            "ratio_median": engine_ratio,
+            "ratio_quartiles": [engine_ratio - 0.01, engine_ratio + 0.01],
+        },
+        "cost": {
+            "requests": 1024,
+            "rounds": 10,
+            "subjects": {
+                "stock": {"schedule_ms": 10.0, "step_ratio_to_stock": 1.0},
+                "U=256": {"schedule_ms": 18.0, "step_ratio_to_stock": 1.8},
+            },
+        },
+    }
+
+
+def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
+    from benchmarks.report import fair_shares
+
+    rows = fair_shares.summary_rows(fair_results(2 / 3, 0.99))
+    # weights 2:1, equal 1:1, the floor (0.2 x 300 = 60 tok/s), engine throughput
+    assert [met for *_, met in rows] == [True, True, True, True]
+    # 0.6 : 0.4 is 1.5 : 1, not 2 : 1 within 10 %; the engine lost 5 %
+    rows = fair_shares.summary_rows(fair_results(0.6, 0.95))
+    assert [met for *_, met in rows] == [False, True, True, False]
+    text = fair_shares.section(fair_results(2 / 3, 0.99), tmp_path, tmp_path)
+    assert text.startswith("## 9. Fair shares on a saturated engine")
+    assert "| weights | ours | 1 | light | 200 | 0.667 | 5 / 9 | 20 | 300 |" in text
+    assert (tmp_path / fair_shares.FIGURE).exists()
+
+
+def test_window_figures_count_tokens_and_ttft_inside_the_window() -> None:
+    from benchmarks.fair_shares import WARM_S, window_figures
+    from vllm_output_rate.loadtest.summary import RequestRecord
+
+    early = RequestRecord(user="a", stream=0, start_s=0.0)
+    early.add_chunk(1.0, 5)  # before the window: not counted
+    early.add_chunk(WARM_S + 1, 3)
+    late = RequestRecord(user="b", stream=0, start_s=WARM_S + 2)
+    late.add_chunk(WARM_S + 2.5, 1)
+    late.add_chunk(WARM_S + 20, 7)  # after the end: not counted
+    figures = window_figures([early, late], ["a", "b"], WARM_S + 10)
+    assert figures["total_tok_s"] == pytest.approx(4 / 10)
+    assert figures["a"]["share"] == pytest.approx(0.75)
+    assert figures["a"]["requests"] == 0  # started before the window
+    assert figures["b"]["ttft_p50_ms"] == pytest.approx(500)

@@ -1,0 +1,251 @@
+"""9. Fair shares on a saturated engine, ours against stock vLLM side by side.
+
+Issue 16: when the engine itself is the bottleneck (here
+``--max-num-active-seqs 3``, limits far above demand), who gets its tokens?
+Stock vLLM serves in queue order; ours by weighted service (weights, floors).
+Two servers with the same engine flags run at once (stock: no plugin; ours:
+weights and a floor, ``WEIGHTS`` and ``FLOORS``), and the same load runs on
+each in turn, ``rounds`` times (stock, ours, stock, ours...). Scenarios:
+
+* ``weights``: ``many`` (weight 1, 16 streams) beside ``light`` (weight 2, 2
+  streams): ours should give light : many = 2 : 1 in tokens;
+* ``equal``: two users of 16 streams each (the issue's measurement: stock
+  gave 0.56 : 1); ours should give 1 : 1;
+* ``floor``: ``hog`` (weight 20, 32 streams) beside ``floored`` (floor 60
+  tok/s, 2 streams): by weight alone floored would get 1/21 of the engine.
+
+Figures per scenario and server, from the load tool's own records (the
+client's token counts) over the window from ``WARM_S`` after the start to
+the load's end: each user's tokens/s and share, TTFT p50/p95 of the requests
+started in the window, and the total tokens/s; ours / stock total in the
+same round. The servers' throughput on this 2-core machine swings with
+vLLM's HTTP front end (BENCHMARKS.md's note on the slow state), so total
+throughput is judged on the engine without HTTP, as in section 1b
+(``engine_throughput`` with the same engine settings and policy: 12
+requests of two users, paired rounds). Then ``fair_share_cost``: the
+scheduler step when the ranking runs, at R = 4,096 with U = 256 and 10,000
+(no server).
+
+Usage::
+
+    PYTHONPATH=tests:. python -m benchmarks.fair_shares [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.progress import log
+
+WEIGHTS = {"light": 2.0, "hog": 20.0}
+FLOORS = {"floored": 60.0}
+FAR_LIMIT = 100_000.0  # tok/s: never binds here
+# The same policy for the engine without HTTP (benchmarks.engine_throughput's
+# saturated kinds): additional_config and LLM arguments, and its load (12
+# requests of two users, 64 tokens each, 2 batches a round).
+FAIRNESS_CONFIG = {
+    "user_output_weight": WEIGHTS,
+    "user_min_output_tokens_per_second": FLOORS,
+}
+ENGINE_LIMITS = {"max_num_seqs": 40, "max_num_active_seqs": 3}
+ENGINE_ARGS = ["--max-model-len", "4096"] + [
+    arg
+    for name, value in ENGINE_LIMITS.items()
+    for arg in ("--" + name.replace("_", "-"), str(value))
+]
+ENGINE_LOAD_USERS = ("even-a", "even-b") * 6
+SCENARIOS: dict[str, dict[str, int]] = {
+    "weights": {"many": 16, "light": 2},
+    "equal": {"even-a": 16, "even-b": 16},
+    "floor": {"hog": 32, "floored": 2},
+}
+# The share each scenario's second user should get on ours (None: a floor).
+EXPECTED_SHARE = {"weights": 2 / 3, "equal": 1 / 2, "floor": None}
+MAX_TOKENS = 100  # short requests, so TTFT has many samples
+WARM_S = 5.0
+FULL_S, QUICK_S = 20.0, 10.0
+FULL_ROUNDS, QUICK_ROUNDS = 2, 1
+
+
+def ours_args() -> list[str]:
+    return [
+        *ENGINE_ARGS,
+        "--default-user-output-tokens-per-second",
+        f"{FAR_LIMIT:g}",
+        "--user-output-weight",
+        json.dumps(WEIGHTS),
+        "--user-min-output-tokens-per-second",
+        json.dumps(FLOORS),
+    ]
+
+
+def window_figures(records: list[Any], users: list[str], end_s: float) -> dict:
+    """Per-user tokens/s, share and TTFT, and the total, over ``[WARM_S,
+    end_s]`` of one load run's records (``loadtest.RequestRecord``)."""
+    from vllm_output_rate.loadtest.summary import percentile
+
+    span = end_s - WARM_S
+    tokens = {
+        user: sum(
+            n
+            for r in records
+            if r.user == user
+            for t, n in r.chunks
+            if WARM_S <= t <= end_s
+        )
+        for user in users
+    }
+    total = sum(tokens.values())
+    figures: dict[str, Any] = {"window_s": span, "total_tok_s": total / span}
+    for user in users:
+        ttfts = [
+            r.ttft_s * 1000
+            for r in records
+            if r.user == user and WARM_S <= r.start_s <= end_s and r.ttft_s is not None
+        ]
+        figures[user] = {
+            "tok_s": tokens[user] / span,
+            "share": tokens[user] / total if total else None,
+            "ttft_p50_ms": percentile(ttfts, 50),
+            "ttft_p95_ms": percentile(ttfts, 95),
+            "requests": len(ttfts),
+        }
+    return figures
+
+
+def _run_load(url: str, model: str, streams: dict[str, int], seconds: float) -> dict:
+    from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
+
+    spec = LoadSpec(
+        base_url=url,
+        model=model,
+        users=[UserLoad(user, count) for user, count in streams.items()],
+        prompt="fair shares on a full engine",
+        max_tokens=MAX_TOKENS,
+        duration_s=seconds,
+    )
+    result = run_load_sync(spec)
+    if not result.ok:
+        raise RuntimeError("; ".join(result.error_summary()))
+    return window_figures(result.records, list(streams), seconds)
+
+
+def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
+    """Every scenario on both servers, in alternating rounds."""
+    from vllm_output_rate.demo.server import running_server
+
+    seconds = QUICK_S if quick else FULL_S
+    rounds = QUICK_ROUNDS if quick else FULL_ROUNDS
+    runs: list[dict[str, Any]] = []
+    with (
+        running_server(
+            model, ENGINE_ARGS, env={"VLLM_PLUGINS": ""}, log_dir=work_dir / "stock"
+        ) as stock_url,
+        running_server(model, ours_args(), log_dir=work_dir / "ours") as ours_url,
+    ):
+        urls = {"stock": stock_url, "ours": ours_url}
+        for url in urls.values():  # warm-up: the first requests are slow
+            _run_load(url, model, {"warm-up": 2}, WARM_S + 1)
+        for round_ in range(rounds):
+            for scenario, streams in SCENARIOS.items():
+                for server, url in urls.items():
+                    log(f"fair shares: {scenario} on {server}, round {round_ + 1}")
+                    figures = _run_load(url, model, streams, seconds)
+                    runs.append(
+                        {
+                            "scenario": scenario,
+                            "server": server,
+                            "round": round_,
+                            **figures,
+                        }
+                    )
+    return {"runs": runs, "summary": summarize(runs)}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario and server: medians over rounds of the second user's
+    share (and tok/s), and of ours / stock total tok/s paired by round."""
+    summary: dict[str, Any] = {}
+    for scenario, streams in SCENARIOS.items():
+        second = list(streams)[1]
+        rows = {
+            server: sorted(
+                (
+                    r
+                    for r in runs
+                    if r["scenario"] == scenario and r["server"] == server
+                ),
+                key=lambda r: r["round"],
+            )
+            for server in ("stock", "ours")
+        }
+        pairs = list(zip(rows["stock"], rows["ours"], strict=True))
+        summary[scenario] = {
+            "user": second,
+            "throughput_ratio": statistics.median(
+                o["total_tok_s"] / s["total_tok_s"] for s, o in pairs
+            ),
+            **{
+                server: {
+                    "share": statistics.median(
+                        r[second]["share"] for r in rows[server]
+                    ),
+                    "tok_s": statistics.median(
+                        r[second]["tok_s"] for r in rows[server]
+                    ),
+                }
+                for server in rows
+            },
+        }
+    return summary
+
+
+def run(quick: bool, work_dir: Path) -> dict[str, Any]:
+    """For ``make bench`` (``benchmarks.suite``): the saturated load on both
+    servers, the engine's throughput without HTTP, then the ranking's step
+    cost."""
+    from benchmarks import fair_share_cost
+    from benchmarks.engine_throughput import SATURATED_KINDS, engine_throughput
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model = str(build_tiny_model())
+    results: dict[str, Any] = {"servers": servers(model, quick, work_dir)}
+    engine_dir = work_dir / "engine"
+    engine_dir.mkdir(exist_ok=True)
+    results["engine"] = engine_throughput(
+        model, engine_dir, settle=lambda: 0.0, quick=quick, kinds=SATURATED_KINDS
+    )
+    requests = 1024 if quick else 4096
+    rounds = 10 if quick else 30
+    results["cost"] = {
+        "requests": requests,
+        "rounds": rounds,
+        "subjects": fair_share_cost.run(requests, rounds),
+    }
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fair_shares")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    work_dir = Path(tempfile.mkdtemp(prefix="bench-fair-shares-"))
+    results = run(args.quick, work_dir)
+    from benchmarks.report.fair_shares import table
+
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

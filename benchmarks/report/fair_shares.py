@@ -1,0 +1,202 @@
+"""Section 9 of the report: fair shares on a saturated engine, ours against
+stock (``benchmarks.fair_shares``'s results), with a figure of the shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.fair_shares import (
+    ENGINE_ARGS,
+    EXPECTED_SHARE,
+    FLOORS,
+    MAX_TOKENS,
+    SCENARIOS,
+    WARM_S,
+    WEIGHTS,
+)
+from benchmarks.report.figures import grouped_bars, pyplot, save
+from benchmarks.report.markdown import fmt, image, verdict
+
+TITLE = "9. Fair shares on a saturated engine"
+SHARE_TOLERANCE = 0.10  # of the expected ratio between the two users
+FLOOR_TARGET = 0.9  # of the floor, at the client
+THROUGHPUT_TARGET = 0.98  # ours / stock, total tok/s
+FIGURE = "fair_shares.png"
+
+
+def _share_met(scenario: str, row: dict[str, Any]) -> bool | None:
+    expected = EXPECTED_SHARE[scenario]
+    share = row["ours"]["share"]
+    if expected is None:
+        floor = FLOORS[row["user"]]
+        return row["ours"]["tok_s"] >= FLOOR_TARGET * floor
+    if share is None or share >= 1:
+        return False
+    want = expected / (1 - expected)
+    return abs(share / (1 - share) / want - 1) <= SHARE_TOLERANCE
+
+
+def _target(scenario: str, user: str) -> str:
+    expected = EXPECTED_SHARE[scenario]
+    if expected is None:
+        return f"{user} >= {FLOOR_TARGET:g} x its floor ({FLOORS[user]:g} tok/s)"
+    other = next(u for u in SCENARIOS[scenario] if u != user)
+    want = expected / (1 - expected)
+    return f"{user} : {other} = {want:g} : 1 within {SHARE_TOLERANCE:.0%}"
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(benchmark, target, measured, met) for the report's summary table."""
+    summary = results["servers"]["summary"]
+    rows: list[tuple[str, str, str, bool | None]] = []
+    for scenario, row in summary.items():
+        user = row["user"]
+        measured = (
+            f"{fmt(row['ours']['tok_s'], 0)} tok/s (stock "
+            f"{fmt(row['stock']['tok_s'], 0)})"
+            if EXPECTED_SHARE[scenario] is None
+            else f"{user} share {fmt(row['ours']['share'], 3)} (stock "
+            f"{fmt(row['stock']['share'], 3)})"
+        )
+        rows.append(
+            (
+                f"9. fair shares, {scenario}",
+                _target(scenario, user),
+                measured,
+                _share_met(scenario, row),
+            )
+        )
+    engine = results.get("engine")
+    if engine:
+        q1, q3 = engine["ratio_quartiles"]
+        rows.append(
+            (
+                "9. fair shares: engine throughput, saturated (no HTTP)",
+                f"ours / stock >= {THROUGHPUT_TARGET:g}",
+                f"{engine['ratio_median']:.3f} [{q1:.2f}-{q3:.2f}]",
+                engine["ratio_median"] >= THROUGHPUT_TARGET,
+            )
+        )
+    return rows
+
+
+def _figure(results: dict[str, Any], path: Path) -> Path:
+    plt = pyplot()
+    summary = results["servers"]["summary"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    groups = [f"{s}: {row['user']}" for s, row in summary.items()]
+    grouped_bars(
+        ax,
+        groups,
+        [
+            (server, [row[server]["share"] or 0.0 for row in summary.values()])
+            for server in ("stock", "ours")
+        ],
+        0.35,
+    )
+    expected = [EXPECTED_SHARE[s] for s in summary]
+    for i, want in enumerate(expected):
+        if want is not None:
+            ax.hlines(want, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
+    ax.set_ylabel("share of the engine's tokens")
+    ax.set_title("Second user's share on a saturated engine (dashed: weights' share)")
+    ax.legend()
+    return save(fig, path)
+
+
+def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
+    streams = "; ".join(
+        f"`{s}`: " + ", ".join(f"{u} x {n}" for u, n in users.items())
+        for s, users in SCENARIOS.items()
+    )
+    about = (
+        "Limits far above demand, so the engine itself is the bottleneck: both "
+        f"servers run `{' '.join(ENGINE_ARGS)}` at the same time, stock without "
+        f"the plugin, ours with weights `{WEIGHTS}` and floors `{FLOORS}` "
+        f"(tok/s). Scenarios (user x streams, {MAX_TOKENS}-token requests, "
+        f"ignore_eos): {streams}. Each load runs on stock then on ours, in "
+        "rounds; figures are the client's token counts from "
+        f"{WARM_S:g} s after the start to the load's end, TTFT over the "
+        "requests started in that window. Stock serves in queue order; ours "
+        'by weighted service (docs/architecture.md, "Fair shares when the '
+        'engine is full").'
+    )
+    figure = _figure(results, figures_dir / FIGURE)
+    return "\n".join(
+        [
+            f"## {TITLE}",
+            "",
+            about,
+            "",
+            table(results),
+            *image("fair shares", figure, md_dir),
+        ]
+    )
+
+
+def table(results: dict[str, Any]) -> str:
+    srv = results["servers"]
+    lines = [
+        "| scenario | server | round | user | tok/s | share | TTFT p50 / p95 ms "
+        "| requests | total tok/s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in srv["runs"]:
+        for user in SCENARIOS[run["scenario"]]:
+            f = run[user]
+            lines.append(
+                f"| {run['scenario']} | {run['server']} | {run['round'] + 1} "
+                f"| {user} | {fmt(f['tok_s'], 0)} | {fmt(f['share'], 3)} "
+                f"| {fmt(f['ttft_p50_ms'], 0)} / {fmt(f['ttft_p95_ms'], 0)} "
+                f"| {f['requests']} | {fmt(run['total_tok_s'], 0)} |"
+            )
+    lines += [
+        "",
+        "| scenario | target (ours) | ours | stock | verdict "
+        "| server total ours / stock |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    for scenario, row in srv["summary"].items():
+        key = "tok_s" if EXPECTED_SHARE[scenario] is None else "share"
+        lines.append(
+            f"| {scenario} | {_target(scenario, row['user'])} "
+            f"| {fmt(row['ours'][key], 3)} | {fmt(row['stock'][key], 3)} "
+            f"| {verdict(_share_met(scenario, row))} "
+            f"| {row['throughput_ratio']:.3f} |"
+        )
+    engine = results.get("engine")
+    if engine:
+        q1, q3 = engine["ratio_quartiles"]
+        lines += [
+            "",
+            "Total throughput on the engine without HTTP (vLLM's `LLM` class, "
+            "same engine settings and policy; each round generates "
+            f"{engine['generates_per_round']} batches of {engine['streams']} "
+            f"requests of two users, {engine['max_tokens']} tokens each, "
+            f"stock and ours in turn): ours / stock over {engine['rounds']} "
+            f"paired rounds, median **{engine['ratio_median']:.3f}** "
+            f"(quartiles {q1:.3f}-{q3:.3f}; target >= {THROUGHPUT_TARGET:g}: "
+            f"{verdict(engine['ratio_median'] >= THROUGHPUT_TARGET)}). The "
+            "servers' totals above (last column of the second table) are "
+            "context only.",
+        ]
+    cost = results.get("cost")
+    if cost:
+        lines += [
+            "",
+            f"The ranking's step cost (no server; `PYTHONPATH=tests:. python -m "
+            f"benchmarks.fair_share_cost --requests {cost['requests']} --rounds "
+            f"{cost['rounds']}`): R = {cost['requests']:,} resident requests, "
+            "active slots R / 2, so every step ranks; stock admits R / 2 in "
+            "queue order and never looks at the rest.",
+            "",
+            "| scheduler | schedule() median ms | step / stock (median) |",
+            "|---|---:|---:|",
+        ]
+        for name, row in cost["subjects"].items():
+            lines.append(
+                f"| {name} | {row['schedule_ms']:.2f} "
+                f"| {row['step_ratio_to_stock']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
