@@ -13,10 +13,10 @@ predicts its input token, so drafts are accepted):
   rounds of 16 requests of 200 tokens: per server the pooled rate and the
   rounds' mean and spread, and ours' throttled request-steps (0: the user
   really is below its limit). At temperature 1 the rate differs between
-  server instances far more than between rounds (measured 0.2 % to 12 %
-  over ten instances, stock and ours alike, each steady within 1 % over its
-  rounds): one instance each cannot compare the plugin with stock there,
-  so only the greedy ratio is judged.
+  server instances far more than between rounds (measured 0.2 % to 24 %
+  over ten instances, stock 0.2-7 %, ours 2-24 %, each steady within a few
+  points over its rounds): one instance each cannot compare the plugin
+  with stock there, so only the greedy ratio is judged.
 * ``accuracy``: users at 20 and 100 tok/s with 4 streams each at temperature
   1 (so drafts are rejected): delivered / limit at the engine (the dispatch
   log: the tokens each user received, at the time their step was
