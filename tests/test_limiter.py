@@ -347,6 +347,10 @@ OPS = st.one_of(
         st.dictionaries(st.sampled_from(LIMITER_USERS), st.integers(0, 30)),
     ),
     st.tuples(st.just("refund"), st.sampled_from(LIMITER_USERS), st.integers(0, 5)),
+    st.tuples(
+        st.just("refund_many"),
+        st.dictionaries(st.sampled_from(LIMITER_USERS), st.integers(0, 5)),
+    ),
     st.tuples(st.just("cleanup")),
     st.tuples(st.just("rate"), st.sampled_from([None, "own-rate", "u2"]), RATES),
 )
@@ -357,8 +361,8 @@ OPS = st.one_of(
 def test_the_limiter_matches_a_reference_gcra(
     default: float, own: float, ops: list[tuple]
 ) -> None:
-    # take_many, the group of free default-rate users, refunds, rate changes
-    # and cleanup, against the plain per-user formula.
+    # take_many, the group of free default-rate users, refunds (one and
+    # many), rate changes and cleanup, against the plain per-user formula.
     clock = FakeClock()
     limiter = OutputRateLimiter(default, {"own-rate": own}, clock=clock)
     reference = ReferenceGcra(default, {"own-rate": own})
@@ -372,6 +376,11 @@ def test_the_limiter_matches_a_reference_gcra(
         elif kind == "refund":
             limiter.refund(op[1], op[2])
             reference.refund(op[1], op[2])
+        elif kind == "refund_many":
+            # (skipped inside the limiter while the whole group is free)
+            limiter.refund_many(op[1])
+            for user, count in op[1].items():
+                reference.refund(user, count)
         elif kind == "cleanup":
             limiter.cleanup_idle_users()
         else:
@@ -406,6 +415,22 @@ def test_a_refund_inside_the_group_is_exact() -> None:
     assert limiter.take_many({"a": 2, "b": 1}) == {"a": 2, "b": 1}
     limiter.refund("a", 2)  # not dispatched after all
     assert limiter.take_many({"a": 2}) == {"a": 2}
+
+
+def test_group_refunds_apply_unless_every_member_is_free() -> None:
+    clock = FakeClock()
+    limiter = OutputRateLimiter(10, clock=clock)  # 2 tokens fit in the burst
+    assert limiter.take_many({"a": 2, "b": 1}) == {"a": 2, "b": 1}
+    # Same clock reading: the members are ahead of it, the refund counts.
+    limiter.refund_many({"a": 2, "b": 1})
+    assert limiter.take_many({"a": 2, "b": 1}) == {"a": 2, "b": 1}
+    # 300 ms later every member's TAT is past: skipping the refund leaves
+    # the limiter where GCRA with the refund would be.
+    clock.advance(300 * MS)
+    limiter.refund_many({"a": 1})
+    assert limiter.take_many({"a": 3}) == {"a": 2}
+    limiter.refund_many({"a": 2})  # ahead again: given back
+    assert limiter.take_many({"a": 3}) == {"a": 2}
 
 
 def test_take_many_rejects_an_empty_user_name() -> None:

@@ -329,7 +329,21 @@ class OutputRateLimiter:
         return (max(0, window_ns) * rate.scale + rate.burst) // rate.interval + 1
 
     def refund_many(self, counts: Mapping[str, int]) -> None:
-        """``refund`` for several users (one call for a step's refunds)."""
+        """``refund`` for several users (one call for a step's refunds).
+
+        A refund to a user whose TAT is not ahead of now changes nothing a
+        later call can see (the next take clamps the TAT to its clock, which
+        never goes back): while the whole group is free, its members'
+        refunds are skipped, which keeps the group as it was, so that the
+        next step's same take is renewed in O(1) (speculative decoding's
+        rejected drafts, users far below their limits)."""
+        group = self._group_taken
+        if (
+            group
+            and counts.keys() <= group.keys()
+            and self._group_is_free(self._clock())
+        ):
+            return
         give_back = self._give_back
         for user, count in counts.items():
             if count > 0:

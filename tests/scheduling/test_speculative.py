@@ -244,3 +244,38 @@ def test_statistics_count_what_users_received(spec_limited) -> None:
     users = h.scheduler.output_rate.metrics_snapshot()["labels"]
     assert users["named"]["tokens_admitted"] == 50
     assert Counter(u for _, u in h.received_at)["named"] == 50
+
+
+def test_fast_steps_charge_every_draft_and_a_binding_user_leaves_them(
+    spec_limited, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Free users decode with every draft: fast steps, charged by the ledger's
+    # O(1) check of the step's token counts (synchronous scheduling, where
+    # the harness proposes drafts). Then a user joins whose burst covers its
+    # first steps only: it must be charged all it can emit while covered and
+    # trimmed once its limit binds. Every draft is accepted, so any token
+    # charged short would show as tokens beyond the bound.
+    h = spec_limited(1e6, {"edge": 250})
+    h.acceptance = lambda _request, drafts: drafts
+    ledger = h.scheduler.output_rate.speculative
+    checks: list[bool] = []
+    all_full = ledger._all_full
+    monkeypatch.setattr(
+        ledger, "_all_full", lambda *args: checks.append(all_full(*args)) or checks[-1]
+    )
+    for i in range(8):
+        h.add(f"free-{i % 2}", max_tokens=100_000)
+    for _ in range(50):
+        h.step(10 * MS)
+    assert any(checks) or h.is_async
+    h.add("edge", max_tokens=100_000)
+    for _ in range(400):  # 4 s
+        h.step(10 * MS)
+    h.drain()
+    times = h.received_by("edge")
+    assert_bound(times, 250)
+    # Covered at first (its burst), then held to the limit with trimmed
+    # drafts: about 250 tok/s over the run, never more.
+    assert 250 * 3.5 < len(times) <= 250 * 4 + 26
+    if not h.is_async:
+        assert max(d.drafts for d in h.dispatches if d.user == "edge") == K

@@ -68,8 +68,14 @@ SERVED = st.dictionaries(USERS, st.integers(1, 4), max_size=5)
     st.lists(
         st.tuples(
             st.integers(0, 3_000_000_000),
-            # None: serve what the previous step served (steady decoding).
-            st.one_of(st.none(), SERVED),
+            # None: serve what the previous step served (steady decoding);
+            # a list: the previous step's users with these counts
+            # (speculative decoding).
+            st.one_of(
+                st.none(),
+                SERVED,
+                st.lists(st.integers(1, 4), min_size=5, max_size=5),
+            ),
         ),
         max_size=30,
     ),
@@ -77,14 +83,19 @@ SERVED = st.dictionaries(USERS, st.integers(1, 4), max_size=5)
     st.integers(1, 10),
 )
 def test_grouped_update_equals_a_per_user_count(
-    raw: list[tuple[int, dict[str, int] | None]], recent_users: int, read_every: int
+    raw: list[tuple[int, dict[str, int] | list[int] | None]],
+    recent_users: int,
+    read_every: int,
 ) -> None:
     steps: list[tuple[int, Counter[str]]] = []
     now = 0
     for advance, served in raw:
         now += advance
+        previous = steps[-1][1] if steps else Counter()
         if served is None:
-            served = steps[-1][1] if steps else {}
+            served = previous
+        elif isinstance(served, list):
+            served = dict(zip(previous, served, strict=False))
         steps.append((now, Counter(served)))
     stats = OutputRateStats(NAMED, recent_users)
     for i, (now, served) in enumerate(steps):

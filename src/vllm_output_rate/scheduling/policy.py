@@ -93,7 +93,7 @@ from vllm_output_rate.scheduling.fair_share import TURN_STEPS, FairShare
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
 from vllm_output_rate.scheduling.residency import Residency, StepSlots
-from vllm_output_rate.scheduling.speculative import SpeculativeLedger
+from vllm_output_rate.scheduling.speculative import SpeculativeLedger, num_drafts
 from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import (
@@ -515,7 +515,13 @@ class OutputRatePolicy:
         if self.speculative is not None:
             # The most each chunk can emit (it may carry draft tokens).
             served = self.speculative.record_step(
-                self.step, now_ns, output, host.requests, inflight_prefills(host), None
+                self.step,
+                now_ns,
+                output,
+                host.requests,
+                inflight_prefills(host),
+                None,
+                reserved=self.budget.reserved,
             )
         else:
             served = self.demand.count_sampled(
@@ -643,9 +649,10 @@ class OutputRatePolicy:
     def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Prompt tokens computed in the step per user (prefill, recompute):
         a request's scheduled tokens before its last known token. A step of
-        one token per request (plain decoding) has none: O(1)."""
+        one token per request plus its drafts (plain or speculative
+        decoding) has none: O(1), or O(requests) in C with drafts."""
         scheduled = output.num_scheduled_tokens
-        if output.total_num_scheduled_tokens == len(scheduled):
+        if output.total_num_scheduled_tokens == len(scheduled) + num_drafts(output):
             return NOTHING
         requests = self._host.requests
         counts: Counter[str] = Counter()

@@ -54,6 +54,12 @@ _output_token_ids = attrgetter("_output_token_ids")
 _NO_DRAFTS: tuple[int, ...] = ()
 
 
+def num_drafts(output: SchedulerOutput) -> int:
+    """Draft tokens scheduled in a step (0 without speculative decoding)."""
+    drafts = output.scheduled_spec_decode_tokens
+    return sum(map(len, drafts.values())) if drafts else 0
+
+
 def per_user(users: Iterable[str], counts: Iterable[int]) -> dict[str, int]:
     """Sum ``counts`` per user.
 
@@ -162,6 +168,7 @@ class SpeculativeLedger:
         requests: Mapping[str, Request],
         inflight_prefills: Collection[Request],
         charges: Mapping[str, int] | None,
+        reserved: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
         """Keep the step's sampling dispatches; return the tokens charged per
         user.
@@ -170,10 +177,26 @@ class SpeculativeLedger:
         tokens; None in a fast step, where vLLM's own hook ran and each
         sampling chunk is charged one token plus the drafts scheduled with
         it (vLLM's padding of a request just taken from the queue included:
-        given back when the step is reported).
+        given back when the step is reported). ``reserved``, in a fast step:
+        each user's reservation, ``tokens_per_request`` per unfinished
+        request; when the step's token counts show that every one of them
+        was scheduled as a decode with every draft, that is the charge, and
+        no request's drafts need counting.
         """
         ids = list(output.num_scheduled_tokens)
         scheduled = list(map(requests.__getitem__, ids))
+        if (
+            reserved is not None
+            and ids
+            and not inflight_prefills
+            and self._all_full(output, len(ids), reserved)
+        ):
+            users = list(map(user_of, scheduled))
+            charged = dict(reserved)
+            self._in_flight[id(output)] = _Step(
+                output, step, time_ns, scheduled, users, charged
+            )
+            return charged
         if inflight_prefills:  # some chunks stop short of the end
             sampling = [not chunk for chunk in map(_is_prefill_chunk, scheduled)]
             ids = [i for i, samples in zip(ids, sampling, strict=True) if samples]
@@ -192,6 +215,22 @@ class SpeculativeLedger:
             output, step, time_ns, scheduled, users, charged
         )
         return charged
+
+    def _all_full(
+        self, output: SchedulerOutput, num_scheduled: int, reserved: Mapping[str, int]
+    ) -> bool:
+        """Whether each of the ``num_scheduled`` requests was scheduled with
+        ``tokens_per_request`` tokens, all but one of them drafts, and they
+        are all the requests ``reserved`` was sized for. (Every chunk has at
+        least one token besides its drafts, and at most ``num_spec_tokens``
+        drafts: the totals decide.)"""
+        per_request = self.tokens_per_request
+        full = num_scheduled * per_request
+        return (
+            output.total_num_scheduled_tokens == full
+            and num_drafts(output) == full - num_scheduled
+            and sum(reserved.values()) == full
+        )
 
     @property
     def wants_grants(self) -> bool:
@@ -228,8 +267,27 @@ class SpeculativeLedger:
         """What users were charged and did not receive from the steps
         reported since the last call (late ones oldest first). Also fills
         ``delivered``, ``delivered_at`` and ``undercharged``."""
-        self.undercharged = Counter()
         reported = self._reported
+        if len(reported) == 1 and not self._grants:
+            # Synchronous scheduling: the one step reported since the last
+            # call, nothing taken since: one pass over its users.
+            step, received = reported[0]
+            self._reported = []
+            self.delivered = received
+            self.delivered_at = [(step.time_ns, received)]
+            get = received.get
+            unreceived = {
+                user: count - get(user, 0) for user, count in step.charged.items()
+            }
+            if (
+                min(unreceived.values(), default=0) >= 0
+                and received.keys() <= unreceived.keys()
+            ):
+                if self.undercharged:
+                    self.undercharged = Counter()
+                return Refunds(unreceived)
+            self._reported = reported  # someone got more than charged
+        self.undercharged = Counter()
         self.delivered = reported[0][1] if len(reported) == 1 else {}
         if len(reported) > 1:
             self.delivered = dict(sum((Counter(r) for _, r in reported), Counter()))

@@ -18,7 +18,9 @@ part runs in C (``map``/``Counter``). A step that serves exactly what the
 previous one served (steady decoding) costs O(labels): it repeats that
 step's per-label update with one new gap, and the per-user counts of such
 repeated steps are added up only when the pattern changes or when someone
-reads them.
+reads them. A step that serves the same users with other counts
+(speculative decoding: accepted drafts differ from step to step) keeps the
+previous step's labels and gaps and costs two plain loops over the users.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class _LastStep:
     served: dict[str, int]
     time_ns: int
     per_label: list[tuple[LabelStats, int, int]]  # (stats, users, tokens)
+    label_index: dict[str, int]  # user -> its label's place in per_label
     unfolded: int = 1
 
     def count_tokens(self) -> None:
@@ -180,16 +183,48 @@ class _LastStep:
         for stats, users, tokens in self.per_label:
             stats.tokens_admitted += tokens
             if tokens > users:
-                stats.gaps.observe(0, tokens - users)  # same step: gap 0
+                # Tokens of the same step: gaps of 0, in the first bucket
+                # (Histogram.observe inlined: this runs for every label in
+                # every step).
+                gaps = stats.gaps
+                gaps.buckets[0] += tokens - users
+                gaps.count += tokens - users
 
     def repeat(self, now_ns: int) -> None:
         """The same tokens again at ``now_ns``: one gap per user since then."""
-        gap_ns = now_ns - self.time_ns
-        for stats, users, _ in self.per_label:
-            stats.gaps.observe(gap_ns, users)
+        self._observe_gaps(now_ns)
         self.count_tokens()
         self.time_ns = now_ns
         self.unfolded += 1
+
+    def again(self, now_ns: int, served: Mapping[str, int]) -> None:
+        """The same users with other counts at ``now_ns`` (speculative
+        decoding: each step's accepted drafts differ); the caller folded
+        this step's counts into the users' records first."""
+        self._observe_gaps(now_ns)
+        tokens = [0] * len(self.per_label)
+        index = self.label_index
+        for user, count in served.items():
+            tokens[index[user]] += count
+        self.per_label = [
+            (stats, users, count)
+            for (stats, users, _), count in zip(self.per_label, tokens, strict=True)
+        ]
+        self.count_tokens()
+        self.served = dict(served)
+        self.time_ns = now_ns
+        self.unfolded = 1
+
+    def _observe_gaps(self, now_ns: int) -> None:
+        """One gap since the latest step per user (Histogram.observe inlined:
+        every label's gap falls in the same bucket)."""
+        gap_ns = now_ns - self.time_ns
+        bucket = bisect.bisect_left(_GAP_BUCKETS_NS, gap_ns)
+        for stats, users, _ in self.per_label:
+            gaps = stats.gaps
+            gaps.buckets[bucket] += users
+            gaps.sum_ns += gap_ns * users
+            gaps.count += users
 
 
 class OutputRateStats:
@@ -257,6 +292,9 @@ class OutputRateStats:
             # would run Counter's Python-level loop.
             if last is not None and last.served == served:
                 last.repeat(now_ns)
+            elif last is not None and last.served.keys() == served.keys():
+                self._fold_last_step()
+                last.again(now_ns, served)
             else:
                 self._record_served(now_ns, served)
         for user, count in refunded.items():
@@ -315,7 +353,9 @@ class OutputRateStats:
             (self._stats(label), users_per_label[label], tokens)
             for label, tokens in tokens_per_label.items()
         ]
-        self._last_step = _LastStep(dict(served), now_ns, per_label)
+        place = {label: i for i, label in enumerate(tokens_per_label)}
+        index = dict(zip(served, map(place.__getitem__, labels), strict=True))
+        self._last_step = _LastStep(dict(served), now_ns, per_label, index)
         self._last_step.count_tokens()
 
     def _fold_last_step(self) -> None:
