@@ -48,7 +48,7 @@ FLOORS = {"floored": 60.0}
 FAR_LIMIT = 100_000.0  # tok/s: never binds here
 # The same policy for the engine without HTTP (benchmarks.engine_throughput's
 # saturated kinds): additional_config and LLM arguments, and its load (12
-# requests of two users, 64 tokens each, 2 batches a round).
+# requests of two users, 64 tokens each, 4 batches a round).
 FAIRNESS_CONFIG = {
     "user_output_weight": WEIGHTS,
     "user_min_output_tokens_per_second": FLOORS,
