@@ -147,7 +147,7 @@ def saturated_load() -> Load:
     from benchmarks.fair_shares import ENGINE_LOAD_USERS
 
     users: list[str | None] = list(ENGINE_LOAD_USERS)
-    return Load(len(users), 64, 4, users)
+    return Load(len(users), 64, 2, users)
 
 
 def _reply(message: dict[str, Any]) -> None:

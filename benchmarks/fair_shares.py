@@ -21,8 +21,10 @@ started in the window, and the total tokens/s; ours / stock total in the
 same round. The servers' throughput on this 2-core machine swings with
 vLLM's HTTP front end (BENCHMARKS.md's note on the slow state), so total
 throughput is judged on the engine without HTTP, as in section 1b
-(``engine_throughput`` with the same engine settings and policy: 12
-requests of two users, paired rounds). Then ``fair_share_cost``: the
+(``engine_throughput`` with the same engine settings and policy: batches
+of 36 requests of two users, paired rounds; a batch that ends leaves a few
+steps with fewer requests than slots, more so on ours, whose requests all
+progress together: 36 requests make that tail about 1 % of a batch). Then ``fair_share_cost``: the
 scheduler step when the ranking runs, at R = 4,096 with U = 256 and 10,000
 (no server).
 
@@ -47,8 +49,8 @@ WEIGHTS = {"light": 2.0, "hog": 20.0}
 FLOORS = {"floored": 60.0}
 FAR_LIMIT = 100_000.0  # tok/s: never binds here
 # The same policy for the engine without HTTP (benchmarks.engine_throughput's
-# saturated kinds): additional_config and LLM arguments, and its load (12
-# requests of two users, 64 tokens each, 4 batches a round).
+# saturated kinds): additional_config and LLM arguments, and its load (36
+# requests of two users, 64 tokens each, 2 batches a round).
 FAIRNESS_CONFIG = {
     "user_output_weight": WEIGHTS,
     "user_min_output_tokens_per_second": FLOORS,
@@ -59,7 +61,7 @@ ENGINE_ARGS = ["--max-model-len", "4096"] + [
     for name, value in ENGINE_LIMITS.items()
     for arg in ("--" + name.replace("_", "-"), str(value))
 ]
-ENGINE_LOAD_USERS = ("even-a", "even-b") * 6
+ENGINE_LOAD_USERS = ("even-a", "even-b") * 18
 SCENARIOS: dict[str, dict[str, int]] = {
     "weights": {"many": 16, "light": 2},
     "equal": {"even-a": 16, "even-b": 16},

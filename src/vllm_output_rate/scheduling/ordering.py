@@ -14,7 +14,6 @@ priority and the scheduler step at which it last received an output token.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from collections.abc import (
     Callable,
@@ -60,10 +59,8 @@ def share_slots(
     requests: Sequence[R],
     user_of: Callable[[R], str],
     last_served_of: Callable[[R], int],
-    key_of: Callable[[str, int, int], Any],
+    key_of: Callable[[str, int], Any],
     *,
-    turn_left: Callable[[R], int] | None = None,
-    weight_of: Callable[[str], float] | None = None,
     priority_of: Callable[[R], int] | None = None,
     limit_of: Callable[[str], int] | None = None,
     waiting: Mapping[str, int] | None = None,
@@ -72,18 +69,13 @@ def share_slots(
 ) -> tuple[list[R], dict[str, int]]:
     """Hand a step's active slots out one at a time, best ``key_of`` first.
 
-    ``key_of(user, k, turn)`` ranks the ``k``-th slot of ``user`` in this
-    step, for a request with ``turn`` steps left in its turn
+    ``key_of(user, k)`` ranks the ``k``-th slot of ``user`` in this step
     (``fair_share.FairShare.key``: the user owed most first, weighted
-    round-robin in tokens, a request in its turn kept on). Each user's
-    requests take turns: those in their turn (``turn_left``) first, then the
-    one served least recently. A turn is kept on only within the user's
-    weighted share of the slots (``weight_of``, ``weighted_shares``): a
-    turn never holds a slot another user is owed by weight. With
-    ``priority_of``, a lower priority value is served first (vLLM's
-    convention) and the ranking applies within a priority. ``limit_of(user)``
-    is how many slots the user's budget can use: its requests beyond that go
-    last (they will be throttled).
+    round-robin in tokens). Each user's requests take turns, the one served
+    least recently first. With ``priority_of``, a lower priority value is
+    served first (vLLM's convention) and the ranking applies within a
+    priority. ``limit_of(user)`` is how many slots the user's budget can use:
+    its requests beyond that go last (they will be throttled).
 
     ``waiting`` (user -> waiting requests it could admit; FCFS only) competes
     for the first ``slots`` active slots too, at most ``room`` of them (free
@@ -106,19 +98,10 @@ def share_slots(
     over_limit: list[R] = []
     granted: dict[str, int] = {}
     picked = 0
-    turns: Callable[[R], int] = turn_left or (lambda request: 0)
-
-    def order(request: R) -> tuple[int, int]:
-        return (-turns(request), last_served_of(request))
-
-    protected: Mapping[str, float] = {}
-
-    def key(user: str, k: int, queue: Sequence[R]) -> Any:
-        kept = k < len(queue) and k < protected.get(user, 0)
-        return key_of(user, k, turns(queue[k]) if kept else 0)
-
     for priority in sorted(classes):
-        queues = {u: sorted(reqs, key=order) for u, reqs in classes[priority].items()}
+        queues = {
+            u: sorted(reqs, key=last_served_of) for u, reqs in classes[priority].items()
+        }
         candidates = set(queues)
         candidates.update(waiting if priority == 0 else ())
         available = {}
@@ -127,17 +110,10 @@ def share_slots(
             if limit_of is not None:
                 count = min(count, limit_of(user))
             available[user] = count
-        if turn_left is not None and weight_of is not None and slots:
-            shares = weighted_shares(slots - picked, available, weight_of)
-            protected = {user: math.ceil(share) for user, share in shares.items()}
         # A waiting user with nothing running gets its first slot ahead of
         # every rank: a user that arrives with budget never waits for others
         # (README, "Nobody waits for a throttled request").
-        heap = [
-            ((u in queues, key(u, 0, queues.get(u, ()))), u)
-            for u in candidates
-            if available[u]
-        ]
+        heap = [((u in queues, key_of(u, 0)), u) for u in candidates if available[u]]
         heapq.heapify(heap)
         taken: Counter[str] = Counter()
         while heap:
@@ -156,7 +132,7 @@ def share_slots(
             picked += 1
             taken[user] = k + 1
             if k + 1 < available[user]:
-                heapq.heappush(heap, ((True, key(user, k + 1, queue)), user))
+                heapq.heappush(heap, ((True, key_of(user, k + 1)), user))
         deferred = []
         for user, queue in queues.items():
             rest = queue[min(taken[user], len(queue)) :]
@@ -165,26 +141,6 @@ def share_slots(
             over_limit.extend(rest[within:])
         ordered.extend(deferred)
     return ordered + over_limit, granted
-
-
-def weighted_shares(
-    slots: int, demand: Mapping[str, int], weight_of: Callable[[str], float]
-) -> dict[str, float]:
-    """Split ``slots`` between users by weight, none above its ``demand``
-    (max-min fair: what a user cannot use goes to the others by weight)."""
-    shares: dict[str, float] = {}
-    left = {user: count for user, count in demand.items() if count > 0}
-    free = float(slots)
-    while left and free > 0:
-        per_weight = free / sum(map(weight_of, left))
-        full = [u for u, count in left.items() if count <= per_weight * weight_of(u)]
-        if not full:
-            shares.update((u, per_weight * weight_of(u)) for u in left)
-            break
-        for user in full:
-            shares[user] = left.pop(user)
-            free -= shares[user]
-    return shares
 
 
 # ----- who gets a scarce resident slot -----------------------------------------

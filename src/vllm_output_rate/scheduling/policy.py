@@ -79,17 +79,15 @@ from vllm_output_rate.identity import user_or_anonymous
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling.demand import (
     LAST_SERVED_ATTR,
-    TURN_START_ATTR,
     USER_ATTR,
     Demand,
     FirstTokens,
     last_served_of,
-    turn_start_of,
     user_of,
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.engine_modes import EngineModes
-from vllm_output_rate.scheduling.fair_share import TURN_STEPS, FairShare
+from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
 from vllm_output_rate.scheduling.residency import Residency, StepSlots
@@ -227,7 +225,6 @@ class OutputRatePolicy:
             user_or_anonymous(params.extra_args if params is not None else None),
         )
         setattr(request, LAST_SERVED_ATTR, -1)
-        setattr(request, TURN_START_ATTR, -1)
 
     def added(self, request: Request) -> None:
         user = user_of(request)
@@ -461,11 +458,7 @@ class OutputRatePolicy:
                 ready,
                 user_of,
                 last_served_of,
-                lambda user, k, turn: fair.key(
-                    user, k, last_served.get(user, -1), turn
-                ),
-                turn_left=self._turn_left,
-                weight_of=fair.weight,
+                lambda user, k: fair.key(user, k, last_served.get(user, -1)),
                 priority_of=(lambda r: r.priority) if priority else None,
                 limit_of=budget.remaining,
                 waiting=waiting,
@@ -545,8 +538,6 @@ class OutputRatePolicy:
         for request_id, request in self._charged.items():
             count = charges[request_id] if charges is not None else 1
             if request_id in scheduled:
-                if last_served_of(request) != self.step - 1:
-                    setattr(request, TURN_START_ATTR, self.step)
                 setattr(request, LAST_SERVED_ATTR, self.step)
                 served[user_of(request)] += count
             else:
@@ -636,15 +627,6 @@ class OutputRatePolicy:
             fair.charge(received, self._prompt_tokens(output))
             fair.backlogged(backlogged, self.budget.refused_users)
         fair.credit_floors(now_ns, self.demand.unfinished, received)
-
-    def _turn_left(self, request: Request) -> int:
-        """Steps left in the request's turn (``fair_share.TURN_STEPS``): 0
-        unless it was served in the previous step."""
-        step = self.step
-        if last_served_of(request) != step - 1:
-            return 0
-        started: int = turn_start_of(request)
-        return max(0, TURN_STEPS - (step - started))
 
     def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Prompt tokens computed in the step per user (prefill, recompute):
