@@ -114,13 +114,14 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         "Limits far above demand, so the engine itself is the bottleneck: both "
         f"servers run `{' '.join(ENGINE_ARGS)}` at the same time, stock without "
         f"the plugin, ours with weights `{WEIGHTS}` and floors `{FLOORS}` "
-        f"(tok/s). Scenarios (user x streams, {MAX_TOKENS}-token requests, "
-        f"ignore_eos): {streams}. Each load runs on stock then on ours, in "
-        "rounds; figures are the client's token counts from "
-        f"{WARM_S:g} s after the start to the load's end, TTFT over the "
-        "requests started in that window. Stock serves in queue order; ours "
-        'by weighted service (docs/architecture.md, "Fair shares when the '
-        'engine is full").'
+        f"(tok/s). Scenarios (user x streams; every stream one request of up "
+        f"to {MAX_TOKENS} tokens, ignore_eos, cut when the load ends, so every "
+        f"user stays backlogged): {streams}. Each load runs on stock then on "
+        "ours, in rounds; figures are the client's token counts from "
+        f"{WARM_S:g} s after the start to the load's end; TTFT is each "
+        "stream's wait for its first token on the full engine. Stock serves "
+        "in queue order; ours by weighted service (docs/architecture.md, "
+        '"Fair shares when the engine is full").'
     )
     figure = _figure(results, figures_dir / FIGURE)
     return "\n".join(
@@ -139,7 +140,7 @@ def table(results: dict[str, Any]) -> str:
     srv = results["servers"]
     lines = [
         "| scenario | server | round | user | tok/s | share | TTFT p50 / p95 ms "
-        "| requests | total tok/s |",
+        "| streams | total tok/s |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for run in srv["runs"]:

@@ -172,7 +172,7 @@ def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     assert (tmp_path / fair_shares.FIGURE).exists()
 
 
-def test_window_figures_count_tokens_and_ttft_inside_the_window() -> None:
+def test_window_figures_count_tokens_inside_the_window_and_every_ttft() -> None:
     from benchmarks.fair_shares import WARM_S, window_figures
     from vllm_output_rate.loadtest.summary import RequestRecord
 
@@ -185,5 +185,6 @@ def test_window_figures_count_tokens_and_ttft_inside_the_window() -> None:
     figures = window_figures([early, late], ["a", "b"], WARM_S + 10)
     assert figures["total_tok_s"] == pytest.approx(4 / 10)
     assert figures["a"]["share"] == pytest.approx(0.75)
-    assert figures["a"]["requests"] == 0  # started before the window
+    assert figures["a"]["requests"] == 1  # TTFT of every stream
+    assert figures["a"]["ttft_p50_ms"] == pytest.approx(1000)
     assert figures["b"]["ttft_p50_ms"] == pytest.approx(500)
