@@ -119,7 +119,8 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         f"user stays backlogged): {streams}. Each load runs on stock then on "
         "ours, in rounds; figures are the client's token counts from "
         f"{WARM_S:g} s after the start to the load's end; TTFT is each "
-        "stream's wait for its first token on the full engine. Stock serves "
+        "stream's wait for its first token on the full engine, over the "
+        "streams that got one (a column says how many did). Stock serves "
         "in queue order; ours by weighted service (docs/architecture.md, "
         '"Fair shares when the engine is full").'
     )
@@ -140,7 +141,7 @@ def table(results: dict[str, Any]) -> str:
     srv = results["servers"]
     lines = [
         "| scenario | server | round | user | tok/s | share | TTFT p50 / p95 ms "
-        "| streams | total tok/s |",
+        "| streams with a token | total tok/s |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for run in srv["runs"]:
