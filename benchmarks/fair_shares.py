@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,27 @@ def _run_load(url: str, model: str, streams: dict[str, int], seconds: float) -> 
     return window_figures(result.records, list(streams), seconds)
 
 
+def _wait_until_idle(url: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server holds no request: a stream cut at the end of a
+    load leaves its request in vLLM's queue until vLLM writes to it (stock's
+    queued requests are written to only once they run)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        held = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(
+                ("vllm:num_requests_running", "vllm:num_requests_waiting")
+            )
+        )
+        if held == 0:
+            return
+        time.sleep(0.5)
+
+
 def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     """Every scenario on both servers, in alternating rounds."""
     from vllm_output_rate.demo.server import running_server
@@ -165,6 +188,7 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
             for scenario, streams in SCENARIOS.items():
                 for server, url in urls.items():
                     log(f"fair shares: {scenario} on {server}, round {round_ + 1}")
+                    _wait_until_idle(url)
                     figures = _run_load(url, model, streams, seconds)
                     runs.append(
                         {
@@ -174,7 +198,7 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
                             **figures,
                         }
                     )
-    return {"runs": runs, "summary": summarize(runs)}
+    return {"runs": runs, "summary": summarize(runs), "max_tokens": MAX_TOKENS}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -198,7 +222,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary[scenario] = {
             "user": second,
             "throughput_ratio": statistics.median(
-                o["total_tok_s"] / s["total_tok_s"] for s, o in pairs
+                o["total_tok_s"] / s["total_tok_s"] if s["total_tok_s"] else math.inf
+                for s, o in pairs
             ),
             **{
                 server: {

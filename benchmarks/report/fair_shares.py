@@ -10,7 +10,6 @@ from benchmarks.fair_shares import (
     ENGINE_ARGS,
     EXPECTED_SHARE,
     FLOORS,
-    MAX_TOKENS,
     SCENARIOS,
     WARM_S,
     WEIGHTS,
@@ -110,13 +109,20 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         f"`{s}`: " + ", ".join(f"{u} x {n}" for u, n in users.items())
         for s, users in SCENARIOS.items()
     )
+    max_tokens = results["servers"].get("max_tokens", 100)  # older runs: 100
+    requests = (
+        f"every stream one request of up to {max_tokens} tokens, ignore_eos, "
+        "cut when the load ends, so every user stays backlogged"
+        if max_tokens > 1000
+        else f"streams send {max_tokens}-token requests one after the other, "
+        "ignore_eos, so a stream idles on the client between requests"
+    )
     about = (
         "Limits far above demand, so the engine itself is the bottleneck: both "
         f"servers run `{' '.join(ENGINE_ARGS)}` at the same time, stock without "
         f"the plugin, ours with weights `{WEIGHTS}` and floors `{FLOORS}` "
-        f"(tok/s). Scenarios (user x streams; every stream one request of up "
-        f"to {MAX_TOKENS} tokens, ignore_eos, cut when the load ends, so every "
-        f"user stays backlogged): {streams}. Each load runs on stock then on "
+        f"(tok/s). Scenarios (user x streams; {requests}): {streams}. Each "
+        "load runs on stock then on "
         "ours, in rounds; figures are the client's token counts from "
         f"{WARM_S:g} s after the start to the load's end; TTFT is each "
         "stream's wait for its first token on the full engine, over the "
