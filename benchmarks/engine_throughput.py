@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,11 +84,7 @@ def _child(kind: str, model: str) -> None:
 
             section.update(FAIRNESS_CONFIG)
         extra["additional_config"] = {"output_rate": section}
-    load = (
-        saturated_load()
-        if saturated
-        else Load(STREAMS, MAX_TOKENS, GENERATES_PER_ROUND)
-    )
+    load = load_for(saturated)
     if saturated:
         from benchmarks.fair_shares import ENGINE_LIMITS
 
@@ -133,21 +129,22 @@ class Load:
     """One round's work: ``generates_per_round`` batches of one request per
     entry of ``users`` (None: anonymous), ``max_tokens`` each."""
 
-    streams: int
+    users: list[str | None]
     max_tokens: int
     generates_per_round: int
-    users: list[str | None] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if not self.users:
-            self.users = [None] * self.streams
+    @property
+    def streams(self) -> int:
+        return len(self.users)
 
 
-def saturated_load() -> Load:
+def load_for(saturated: bool) -> Load:
+    """The throughput load, or section 9's saturated one."""
+    if not saturated:
+        return Load([None] * STREAMS, MAX_TOKENS, GENERATES_PER_ROUND)
     from benchmarks.fair_shares import ENGINE_LOAD_USERS
 
-    users: list[str | None] = list(ENGINE_LOAD_USERS)
-    return Load(len(users), 64, 2, users)
+    return Load(list(ENGINE_LOAD_USERS), 64, 2)
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -299,11 +296,7 @@ def engine_throughput(
         ratios.append(rate[kinds[1]] / rate[kinds[0]])
     ratio = median(ratios)
     q1, q3 = quartiles(ratios)
-    load = (
-        saturated_load()
-        if kinds == SATURATED_KINDS
-        else Load(STREAMS, MAX_TOKENS, GENERATES_PER_ROUND)
-    )
+    load = load_for(kinds == SATURATED_KINDS)
     return {
         "rounds": rounds,
         "streams": load.streams,

@@ -151,17 +151,13 @@ def _wait_until_idle(url: str, timeout_s: float = 60.0) -> None:
     """Wait until the server holds no request: a stream cut at the end of a
     load leaves its request in vLLM's queue until vLLM writes to it (stock's
     queued requests are written to only once they run)."""
-    import httpx
+    from benchmarks.measure import metric_totals
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = httpx.get(url + "/metrics", timeout=30).text
+        totals = metric_totals(url)
         held = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(
-                ("vllm:num_requests_running", "vllm:num_requests_waiting")
-            )
+            totals.get(f"vllm:num_requests_{q}", 0.0) for q in ("running", "waiting")
         )
         if held == 0:
             return

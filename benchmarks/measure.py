@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -109,3 +110,15 @@ def quartiles(values: Sequence[float | None]) -> tuple[float, float]:
     if not xs:
         return float("nan"), float("nan")
     return percentile(xs, 25), percentile(xs, 75)
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """Every ``vllm:`` metric on the server's ``/metrics``, summed over its
+    labels."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        match = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if match:
+            name, _, value = match.groups()
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,8 @@ import time
 import zlib
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import metric_totals
 
 SPECULATION = {
     "method": "ngram",
@@ -108,18 +109,6 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
 
 
 # ----- servers ----------------------------------------------------------------
-
-
-def _metrics(url: str) -> dict[str, float]:
-    import httpx
-
-    totals: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        match = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if match:
-            name, _, value = match.groups()
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
 
 
 def _load(url: str, model: str, users: list[Any], seconds: float, **body: Any):
@@ -188,9 +177,9 @@ def _complete(url: str, model: str, bodies: list[dict[str, Any]]) -> None:
 
 def _acceptance_round(url: str, model: str, temperature: float) -> dict[str, float]:
     """One round on one server: its counters' deltas over the requests."""
-    before = _metrics(url)
+    before = metric_totals(url)
     _complete(url, model, [{"temperature": temperature}] * ACCEPTANCE_REQUESTS)
-    after = _metrics(url)
+    after = metric_totals(url)
     return {
         "drafted": _delta(after, before, _DRAFTED),
         "accepted": _delta(after, before, _ACCEPTED),
@@ -242,11 +231,11 @@ def _acceptance(urls: dict[str, str], model: str, rounds: int) -> dict[str, Any]
 def _throughput(url: str, model: str, seconds: float) -> float:
     from vllm_output_rate.loadtest import UserLoad
 
-    before, started = _metrics(url), time.monotonic()
+    before, started = metric_totals(url), time.monotonic()
     users = [UserLoad(f"free-{i}", 2) for i in range(4)]
     _load(url, model, users, seconds, temperature=0.0)
     elapsed = time.monotonic() - started
-    return _delta(_metrics(url), before, "vllm:generation_tokens_total") / elapsed
+    return _delta(metric_totals(url), before, "vllm:generation_tokens_total") / elapsed
 
 
 # The dispatch log stamps a step's tokens when the step ends, a few ms after
