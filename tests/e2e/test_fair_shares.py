@@ -3,7 +3,9 @@
 One module-scoped server (``--max-num-active-seqs 3``, limits far above
 demand, so the engine itself is the bottleneck), two scenarios one after the
 other, driven by the official OpenAI client; streams run until the scenario
-ends (they are long enough never to finish) and are then closed. Shares are
+ends and are then closed (a stream sends its next request as soon as one
+finishes: light's two 3,500-token requests can end within the scenario on a
+fast run, and a user whose streams stop is not backlogged). Shares are
 judged at the engine, from the scheduler's dispatch log, over each
 scenario's window: from 1 s after the last of its users got a first token
 (on this loaded 2-core machine the API server takes seconds to start 34
@@ -54,15 +56,17 @@ ARGS = [
 
 
 async def stream(client: AsyncOpenAI, model: str, user: str) -> None:
-    response = await client.completions.create(
-        model=model,
-        prompt="fair shares",
-        max_tokens=3500,
-        stream=True,
-        extra_body={"ignore_eos": True, "vllm_xargs": {"output_rate_user": user}},
-    )
-    async for _ in response:
-        pass
+    """One stream: a request after another until cancelled."""
+    while True:
+        response = await client.completions.create(
+            model=model,
+            prompt="fair shares",
+            max_tokens=3500,
+            stream=True,
+            extra_body={"ignore_eos": True, "vllm_xargs": {"output_rate_user": user}},
+        )
+        async for _ in response:
+            pass
 
 
 async def run_scenario(
