@@ -17,9 +17,8 @@ each in turn, ``rounds`` times (stock, ours, stock, ours...). Scenarios:
 Figures per scenario and server, from the load tool's own records (the
 client's token counts) over the window from ``WARM_S`` after the start to
 the load's end: each user's tokens/s and share, TTFT p50/p95 of its
-streams (each runs one request, longer than the load, so TTFT is how long a
-stream that opens on a full engine waits for its first token), and the
-total tokens/s; ours / stock total in the
+streams (3,500-token requests, so TTFT is mostly how long a stream that
+opens on a full engine waits for its first token), and the total tokens/s; ours / stock total in the
 same round. The servers' throughput on this 2-core machine swings with
 vLLM's HTTP front end (BENCHMARKS.md's note on the slow state), so total
 throughput is judged on the engine without HTTP, as in section 1b
@@ -73,11 +72,12 @@ SCENARIOS: dict[str, dict[str, int]] = {
 }
 # The share each scenario's second user should get on ours (None: a floor).
 EXPECTED_SHARE = {"weights": 2 / 3, "equal": 1 / 2, "floor": None}
-# Requests longer than the load: every user stays backlogged (a user whose
-# streams wait on the client between requests is not owed the share it
-# leaves unused; with 100-token requests light's two streams idled on HTTP
-# round trips long enough to cap it near a fifth of the engine). Each
-# stream's one request is cut when the load ends (request_timeout_s).
+# Long requests: every user stays backlogged (a user whose streams wait on
+# the client between requests is not owed the share it leaves unused; with
+# 100-token requests light's two streams idled on HTTP round trips long
+# enough to cap it near a fifth of the engine). Light's requests can end
+# within a load, and its streams then send the next one at once; every
+# request still running is cut when the load ends (request_timeout_s).
 MAX_TOKENS = 3500
 WARM_S = 5.0
 FULL_S, QUICK_S = 20.0, 10.0
