@@ -18,10 +18,11 @@ Figures per scenario and server, from the load tool's own records (the
 client's token counts) over the window from ``WARM_S`` after the start to
 the load's end: each user's tokens/s and share, TTFT p50/p95 of its
 streams (3,500-token requests, so TTFT is mostly how long a stream that
-opens on a full engine waits for its first token), and the total tokens/s; ours / stock total in the
-same round. The servers' throughput on this 2-core machine swings with
-vLLM's HTTP front end (BENCHMARKS.md's note on the slow state), so total
-throughput is judged on the engine without HTTP, as in section 1b
+opens on a full engine waits for its first token), and the total tokens/s;
+ours / stock total in the same round. The servers' throughput on this
+2-core machine swings with vLLM's HTTP front end (BENCHMARKS.md's note on
+the slow state), so total throughput is judged on the engine without HTTP,
+as in section 1b
 (``engine_throughput`` with the same engine settings and policy: batches
 of 36 requests of two users, paired rounds; a batch that ends leaves a few
 steps with fewer requests than slots, more so on ours, whose requests all
@@ -141,10 +142,15 @@ def _run_load(url: str, model: str, streams: dict[str, int], seconds: float) -> 
         request_timeout_s=seconds,
     )
     result = run_load_sync(spec)
+    figures = window_figures(result.records, list(streams), seconds)
+    # Requests cut when the load ends are expected ("timed out"); any other
+    # failure (seen once: stock's API server not accepting a connection
+    # within 10 s) is counted and shown, and fails ours' verdicts.
     failed = [r for r in result.records if r.error and "timed out" not in r.error]
     if failed:
-        raise RuntimeError("; ".join(result.error_summary()))
-    return window_figures(result.records, list(streams), seconds)
+        log("fair shares: failed requests: " + "; ".join(result.error_summary()))
+    figures["failed"] = len(failed)
+    return figures
 
 
 def _wait_until_idle(url: str, timeout_s: float = 60.0) -> None:
@@ -229,6 +235,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "tok_s": statistics.median(
                         r[second]["tok_s"] for r in rows[server]
                     ),
+                    "failed": sum(r.get("failed", 0) for r in rows[server]),
                 }
                 for server in rows
             },

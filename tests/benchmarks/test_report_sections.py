@@ -168,8 +168,23 @@ def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     assert [met for *_, met in rows] == [False, True, True, False]
     text = fair_shares.section(fair_results(2 / 3, 0.99), tmp_path, tmp_path)
     assert text.startswith("## 9. Fair shares on a saturated engine")
-    assert "| weights | ours | 1 | light | 200 | 0.667 | 5 / 9 | 20 | 300 |" in text
+    assert "| weights | ours | 1 | light | 200 | 0.667 | 5 / 9 | 20 | 300 | 0 |" in text
     assert (tmp_path / fair_shares.FIGURE).exists()
+
+
+def test_a_failed_request_on_ours_fails_its_verdict_and_shows() -> None:
+    from benchmarks.fair_shares import summarize
+    from benchmarks.report import fair_shares
+
+    results = fair_results(2 / 3, 0.99)
+    runs = results["servers"]["runs"]
+    next(r for r in runs if r["server"] == "stock")["failed"] = 2  # stock's own
+    results["servers"]["summary"] = summarize(runs)
+    assert next(met for *_, met in fair_shares.summary_rows(results)) is True
+    next(r for r in runs if r["server"] == "ours")["failed"] = 1
+    results["servers"]["summary"] = summarize(runs)
+    assert next(met for *_, met in fair_shares.summary_rows(results)) is False
+    assert "| 300 | 1 |" in fair_shares.table(results)
 
 
 def test_window_figures_count_tokens_inside_the_window_and_every_ttft() -> None:
