@@ -67,7 +67,9 @@ IDLE_MAX_WAIT_S = 10.0
 # ----- child: one LLM, driven over stdin/stdout ------------------------------
 
 
-def _child(kind: str, model: str) -> None:
+def build_engine(kind: str, model: str) -> tuple[Any, list[Any], list[Any], Load]:
+    """One ``kind``'s ``LLM``, with its load's sampling parameters and
+    prompts (also for ``benchmarks.engine_profile``)."""
     from vllm import LLM, SamplingParams
 
     extra: dict[str, Any] = {}
@@ -98,7 +100,6 @@ def _child(kind: str, model: str) -> None:
         max_model_len=4096,
         **({"max_num_seqs": 64} | extra),
     )
-    scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
     params = [
         SamplingParams(
             max_tokens=load.max_tokens,
@@ -108,6 +109,12 @@ def _child(kind: str, model: str) -> None:
         for user in load.users
     ]
     prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * len(load.users)
+    return llm, params, prompts, load
+
+
+def _child(kind: str, model: str) -> None:
+    llm, params, prompts, load = build_engine(kind, model)
+    scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
     for _ in range(WARMUP_GENERATES):
         llm.generate(prompts, params, use_tqdm=False)
     _reply({"ready": True, "scheduler_cls": str(scheduler_cls)})

@@ -14,9 +14,13 @@ each in turn, ``rounds`` times (stock, ours, stock, ours...). Scenarios:
 * ``floor``: ``hog`` (weight 20, 32 streams) beside ``floored`` (floor 60
   tok/s, 2 streams): by weight alone floored would get 1/21 of the engine.
 
-Figures per scenario and server, from the load tool's own records (the
-client's token counts) over the window from ``WARM_S`` after the start to
-the load's end: each user's tokens/s and share, TTFT p50/p95 of its
+Ours' shares are judged at the engine, from its dispatch log over the same
+window (vLLM's API server on this 2-core machine delivered tokens up to
+20 s late in the 21:24 run, and a stream's share at the client is then the
+front end's, not the scheduler's); stock has no dispatch log and is shown
+at the client. Figures per scenario and server, from the load tool's own
+records (the client's token counts) over the window from ``WARM_S`` after
+the start to the load's end: each user's tokens/s and share, TTFT p50/p95 of its
 streams (3,500-token requests, so TTFT is mostly how long a stream that
 opens on a full engine waits for its first token), and the total tokens/s;
 ours / stock total in the same round. The servers' throughput on this
@@ -129,8 +133,39 @@ def window_figures(records: list[Any], users: list[str], end_s: float) -> dict:
     return figures
 
 
-def _run_load(url: str, model: str, streams: dict[str, int], seconds: float) -> dict:
+NS_PER_S = 1_000_000_000
+
+
+def engine_figures(
+    dispatched: dict[str, list[int]], users: list[str], start_ns: int, end_ns: int
+) -> dict[str, Any]:
+    """Per-user tokens/s and share at the engine (its dispatch log) over
+    ``[start_ns, end_ns]``."""
+    span_s = (end_ns - start_ns) / NS_PER_S
+    tokens = {
+        user: sum(start_ns <= t <= end_ns for t in dispatched.get(user, ()))
+        for user in users
+    }
+    total = sum(tokens.values())
+    return {
+        user: {
+            "tok_s": tokens[user] / span_s,
+            "share": tokens[user] / total if total else None,
+        }
+        for user in users
+    }
+
+
+def _run_load(
+    url: str,
+    model: str,
+    streams: dict[str, int],
+    seconds: float,
+    dispatch_log: Path | None = None,
+) -> dict:
+    """One load; with ``dispatch_log`` (ours), the shares at the engine too."""
     from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
+    from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
 
     spec = LoadSpec(
         base_url=url,
@@ -141,8 +176,17 @@ def _run_load(url: str, model: str, streams: dict[str, int], seconds: float) -> 
         duration_s=seconds,
         request_timeout_s=seconds,
     )
+    started_ns = time.monotonic_ns()
     result = run_load_sync(spec)
     figures = window_figures(result.records, list(streams), seconds)
+    if dispatch_log is not None:
+        time.sleep(1.5)  # the log is written a second behind the engine
+        figures["engine"] = engine_figures(
+            read_dispatch_log(str(dispatch_log)),
+            list(streams),
+            started_ns + int(WARM_S * NS_PER_S),
+            started_ns + int(seconds * NS_PER_S),
+        )
     # Requests cut when the load ends are expected ("timed out"); any other
     # failure (seen once: stock's API server not accepting a connection
     # within 10 s) is counted and shown, and fails ours' verdicts.
@@ -173,6 +217,9 @@ def _wait_until_idle(url: str, timeout_s: float = 60.0) -> None:
 def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     """Every scenario on both servers, in alternating rounds."""
     from vllm_output_rate.demo.server import running_server
+    from vllm_output_rate.scheduling.dispatch_log import ENV as DISPATCH_LOG_ENV
+
+    dispatch_log = work_dir / "ours-dispatch.csv"
 
     seconds = QUICK_S if quick else FULL_S
     rounds = QUICK_ROUNDS if quick else FULL_ROUNDS
@@ -181,7 +228,12 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
         running_server(
             model, ENGINE_ARGS, env={"VLLM_PLUGINS": ""}, log_dir=work_dir / "stock"
         ) as stock_url,
-        running_server(model, ours_args(), log_dir=work_dir / "ours") as ours_url,
+        running_server(
+            model,
+            ours_args(),
+            env={DISPATCH_LOG_ENV: str(dispatch_log)},
+            log_dir=work_dir / "ours",
+        ) as ours_url,
     ):
         urls = {"stock": stock_url, "ours": ours_url}
         for url in urls.values():  # warm-up: the first requests are slow
@@ -191,7 +243,13 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
                 for server, url in urls.items():
                     log(f"fair shares: {scenario} on {server}, round {round_ + 1}")
                     _wait_until_idle(url)
-                    figures = _run_load(url, model, streams, seconds)
+                    figures = _run_load(
+                        url,
+                        model,
+                        streams,
+                        seconds,
+                        dispatch_log if server == "ours" else None,
+                    )
                     runs.append(
                         {
                             "scenario": scenario,
@@ -203,9 +261,16 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     return {"runs": runs, "summary": summarize(runs), "max_tokens": MAX_TOKENS}
 
 
+def judged(run: dict[str, Any], user: str) -> dict[str, Any]:
+    """A user's figures as judged: at the engine where its dispatch log was
+    read (ours), else at the client (stock)."""
+    return run["engine"][user] if "engine" in run else run[user]
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per scenario and server: medians over rounds of the second user's
-    share (and tok/s), and of ours / stock total tok/s paired by round."""
+    share (and tok/s), as judged, and of ours / stock total tok/s at the
+    client paired by round."""
     summary: dict[str, Any] = {}
     for scenario, streams in SCENARIOS.items():
         second = list(streams)[1]
@@ -230,10 +295,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             **{
                 server: {
                     "share": statistics.median(
-                        r[second]["share"] for r in rows[server]
+                        judged(r, second)["share"] for r in rows[server]
                     ),
                     "tok_s": statistics.median(
-                        r[second]["tok_s"] for r in rows[server]
+                        judged(r, second)["tok_s"] for r in rows[server]
                     ),
                     "failed": sum(r.get("failed", 0) for r in rows[server]),
                 }

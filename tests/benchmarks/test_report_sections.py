@@ -168,7 +168,8 @@ def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     assert [met for *_, met in rows] == [False, True, True, False]
     text = fair_shares.section(fair_results(2 / 3, 0.99), tmp_path, tmp_path)
     assert text.startswith("## 9. Fair shares on a saturated engine")
-    assert "| weights | ours | 1 | light | 200 | 0.667 | 5 / 9 | 20 | 300 | 0 |" in text
+    row = "| weights | ours | 1 | light | 200 | 0.667 | 5 / 9 | 20 | 300 | 0 | - | - |"
+    assert row in text
     assert (tmp_path / fair_shares.FIGURE).exists()
 
 
@@ -203,3 +204,25 @@ def test_window_figures_count_tokens_inside_the_window_and_every_ttft() -> None:
     assert figures["a"]["requests"] == 1  # TTFT of every stream
     assert figures["a"]["ttft_p50_ms"] == pytest.approx(1000)
     assert figures["b"]["ttft_p50_ms"] == pytest.approx(500)
+
+
+def test_ours_is_judged_at_the_engine_where_its_dispatch_log_was_read() -> None:
+    from benchmarks.fair_shares import NS_PER_S, engine_figures, summarize
+    from benchmarks.report import fair_shares
+
+    start = 10 * NS_PER_S
+    dispatched = {
+        "many": [start + i for i in range(100)] + [start - 5],  # one before
+        "light": [start + i for i in range(200)] + [start + 3 * NS_PER_S],
+    }
+    engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
+    assert engine["many"] == {"tok_s": 100.0, "share": pytest.approx(1 / 3)}
+    assert engine["light"]["share"] == pytest.approx(2 / 3)
+    results = fair_results(0.3, 0.99)  # the client saw light 0.3: missed
+    runs = results["servers"]["runs"]
+    ours = next(r for r in runs if r["server"] == "ours")
+    assert next(met for *_, met in fair_shares.summary_rows(results)) is False
+    ours["engine"] = engine  # the engine gave light 2 : 1: met
+    results["servers"]["summary"] = summarize(runs)
+    assert next(met for *_, met in fair_shares.summary_rows(results)) is True
+    assert "| 100 | 0.333 |" in fair_shares.table(results)
