@@ -103,7 +103,11 @@ def test_speculation_keeps_a_throttled_user_at_its_limit(server, echo_model) -> 
     drafted = after["vllm:spec_decode_num_draft_tokens_total"] - before.get(
         "vllm:spec_decode_num_draft_tokens_total", 0
     )
-    assert 0 < accepted < drafted  # drafts were verified, some rejected
+    # Drafts were proposed and verified, some rejected. How many are accepted
+    # at temperature 1 varies from 0.2 % to 24 % between server instances on
+    # vLLM's CPU build, stock alike (BENCHMARKS.md section 8), so none is a
+    # possible outcome here; acceptance is checked greedily elsewhere.
+    assert drafted > 0 and 0 <= accepted < drafted, (accepted, drafted)
     # Net charges equal the tokens received: rejected drafts were given back.
     admitted = 'vllm:output_rate_tokens_admitted_total{user="slow"}'
     assert after[admitted] - before.get(admitted, 0) == slow.tokens_client
