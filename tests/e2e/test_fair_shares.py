@@ -107,7 +107,7 @@ def share(dispatched: dict[str, list[int]], users: list[str], start: int, end: i
     # requests to end, and after that many had the engine alone.
     end = min([end, *(t[-1] for t in times.values())])
     assert end - begin >= 4 * S, (end - begin) / S  # a window worth judging
-    counts = {u: sum(begin <= t for t in ts) for u, ts in times.items()}
+    counts = {u: sum(begin <= t <= end for t in ts) for u, ts in times.items()}
     return Share(counts, (end - begin) / S)
 
 
