@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.progress import log
+from harness.bounds import S as NS_PER_S
 
 WEIGHTS = {"light": 2.0, "hog": 20.0}
 FLOORS = {"floored": 60.0}
@@ -131,9 +132,6 @@ def window_figures(records: list[Any], users: list[str], end_s: float) -> dict:
             "requests": len(ttfts),
         }
     return figures
-
-
-NS_PER_S = 1_000_000_000
 
 
 def engine_figures(
