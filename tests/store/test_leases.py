@@ -16,6 +16,7 @@ from harness.fake_clock import FakeClock
 from harness.redis_server import RedisServer
 from harness.store_sim import SimEngine, merged
 from vllm_output_rate.limiter import NS_PER_SECOND
+from vllm_output_rate.store.redis_store import StoreUnavailable
 from vllm_output_rate.store.settings import StoreSettings
 
 MS = 1_000_000
@@ -266,3 +267,72 @@ def test_limits_changed_after_a_store_restart_still_reach_every_engine() -> None
         assert engines[1].limiter.rate_of("x") == 7.0
         for engine in engines:
             engine.close()
+
+
+def failing_rounds(engine: SimEngine, count: int, *, after_store: bool = False):
+    """The next ``count`` rounds of ``engine`` fail as timeouts do; with
+    ``after_store`` the store has done each one and only the answer is lost."""
+    store = engine.refresher.store
+    real = store.exchange
+    left = [count]
+
+    def exchange(*args, **kwargs):
+        if left[0] <= 0:
+            return real(*args, **kwargs)
+        left[0] -= 1
+        if after_store:
+            real(*args, **kwargs)
+        raise StoreUnavailable("timed out (test)")
+
+    store.exchange = exchange
+
+
+def test_a_round_that_fails_at_start_keeps_the_bound(redis_server, store_prefix):
+    """Found on a loaded machine: an engine whose first rounds timed out
+    served a new user at its fallback share (the whole limit: it had seen no
+    other engine) while the other engine leased the limit. Until a lease
+    period passes without an answer, a new user waits instead."""
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    engines = make_engines(redis_server.url, store_prefix, 2, 40.0, clock)
+    failing_rounds(engines[0], 5)
+    engines[0].set_demand("u", 3)
+    engines[1].set_demand("u", 1)
+    run(engines, clock, 0.4)
+    assert "u" not in engines[0].dispatched and not engines[0].limiter.degraded
+    run(engines, clock, 5.6)
+    assert_global_bound(merged(engines, "u"), 40.0, 2)
+    a, b = delivered(engines, "u", clock.now_ns - 4 * NS_PER_SECOND, clock.now_ns)
+    assert a + b >= 0.97 * 40 * 4 and a / b == pytest.approx(3, rel=0.1), (a, b)
+    assert engines[0].limiter.counters.failures == 5
+    assert engines[0].limiter.counters.fallbacks == 0
+
+
+@pytest.mark.parametrize("seconds", [0.3, 1.5])
+def test_lost_answers_pause_a_shared_user_and_keep_the_bound(
+    redis_server, store_prefix, seconds
+):
+    """Engine a's rounds reach the store but their answers are lost (for
+    less than a lease period), while b's new demand moves the shares: the
+    store lowered a's share and, after the grace, gave the rest to b. a
+    cannot know, so it holds its shared user back until an answer comes;
+    users only a serves go on."""
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    engines = make_engines(redis_server.url, store_prefix, 2, 40.0, clock)
+    for engine in engines:
+        engine.set_demand("u", 1)
+    engines[0].set_demand("only-a", 1)
+    run(engines, clock, 2)
+    engines[1].set_demand("u", 7)  # b now asks for 7/8 of u's limit
+    failing_rounds(engines[0], round(seconds * 10), after_store=True)
+    lost = clock.now_ns
+    run(engines, clock, seconds)
+    assert not engines[0].limiter.degraded
+    paused = delivered(engines, "u", lost + 150 * MS, clock.now_ns)[0]
+    assert paused == 0
+    # An unshared lease is renewed every half lease: it lasts at least 1 s.
+    alone = delivered(engines, "only-a", lost, clock.now_ns)[0]
+    assert alone >= 0.95 * 40 * min(seconds, 1.0), alone
+    run(engines, clock, 3)
+    assert_global_bound(merged(engines, "u"), 40.0, 2)
+    a, b = delivered(engines, "u", clock.now_ns - 2 * NS_PER_SECOND, clock.now_ns)
+    assert a + b >= 0.97 * 40 * 2 and b / a == pytest.approx(7, rel=0.1), (a, b)

@@ -56,11 +56,15 @@ Outside the claim: a limit lowered by an operator holds from the first
 refresh after it (within ``refresh_s``); a store that restarts forgets the
 leases it gave, so for up to one refresh interval engines holding leases
 from before and leases granted after can overlap (the engines renew every
-lease at once when they notice); and while the store is unreachable each
-engine serves its leases until they expire and then every user at its
-fallback share (``limit x fallback_share``, by default ``limit / the number
-of engines it last saw``), which sums to the limit when every engine
-falls back together.
+lease at once when they notice); and once an engine has had no answer for a
+whole lease period (``lease_s``) it serves every user at its fallback share
+(``limit x fallback_share``, by default ``limit / the number of engines it
+last saw``), which sums to the limit when every engine falls back together.
+Failed rounds before that stay inside the claim: the engine serves only
+unshared leases until they expire and holds back everyone else until the
+store answers (``_serve_without_store``). One narrow case is not covered: a
+user that becomes shared at the store during the very round whose answer is
+lost keeps its unshared lease here until the next answer or its expiry.
 
 Over 400 lines: the proof above, and one class whose two halves (the
 scheduler's calls, the refresher's rounds) share one lock-guarded state;
@@ -207,6 +211,11 @@ class LeasedLimiter:
         self._results: list[_Result] = []
         self._writes: list[LimitsWrite] = []
         self.degraded = False  # serving without the store
+        # Sent time of the last round the store answered (at first: our
+        # start). Rounds fail for a moment on a loaded machine; only after a
+        # whole lease period without an answer does the engine fall back.
+        self._answered_ns = clock()
+        self._failing = False  # rounds are failing, not yet degraded
         self.engines_seen = max(1, engines_hint)
         self.counters = StoreCounters()
         self._started = False
@@ -485,6 +494,8 @@ class LeasedLimiter:
             self._serve_without_store(error)
             return
         counters.exchanges += 1
+        self._answered_ns = max(self._answered_ns, round_.sent_ns)
+        self._failing = False
         counters.asks += len(round_.asks)
         counters.rtt_sum_s += rtt_s
         counters.rtt_max_s = max(counters.rtt_max_s, rtt_s)
@@ -563,10 +574,36 @@ class LeasedLimiter:
         counters.returns += len(released)
 
     def _serve_without_store(self, error: str) -> None:
-        """Store unreachable: leases run out as granted, then every user
-        gets its fallback share; nobody is blocked."""
+        """A failed round. For up to one lease period since the last answer
+        it is a blip, and the engine keeps within what the store counts for
+        it: users without a usable lease wait (the store still counts the
+        other engines' leases, so a fallback share here could break the
+        global bound); so do shared users, whose share the failed round may
+        have lowered at the store (the reply lost) while the lowered part
+        goes to another engine after the grace; unshared leases hold until
+        they expire. The next round renews every lease. After a whole lease
+        period without an answer the store is unreachable: every user gets
+        its fallback share; nobody is blocked."""
         now = self._clock()
         rates: dict[str, float | None] = {}
+        if not self.degraded and now - self._answered_ns < self._lease_ns:
+            with self._lock:
+                if not self._failing:
+                    self._failing = True
+                    self._logger.warning(
+                        "Output rate store round failed (%s): retrying every "
+                        "%g s; leases hold until they expire, new users wait, "
+                        "and each user falls back to its fallback share if no "
+                        "answer comes within %g s",
+                        error,
+                        self.settings.refresh_s,
+                        self.settings.lease_s,
+                    )
+                self._renew_all = True
+                for user, lease in self._leases.items():
+                    if lease.shared or lease.expires_ns <= now:
+                        self._blocked.add(user)
+            return
         with self._lock:
             if not self.degraded:
                 self.degraded = True
