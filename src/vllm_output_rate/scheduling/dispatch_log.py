@@ -3,10 +3,13 @@
 Client-side timing sees tokens after HTTP buffering; the scheduler knows when
 it dispatched each user's token. With ``VLLM_OUTPUT_RATE_DISPATCH_LOG=FILE``
 the scheduler appends one CSV line ``monotonic_ns,user`` per dispatched token,
-written in batches so a step pays one list extend per user: every
-``FLUSH_EVERY`` lines, and at the first step a second after the oldest line
-not yet written, so that a reader of a running server sees all but the last
-second. Benchmarks and tests read it to judge rates at the engine.
+stamped with the clock reading of its step's reservation (when the limiter
+admitted it, at the start of ``schedule()``; with speculative decoding, of
+the step that dispatched it). Lines are written in batches so a step pays one
+list extend per user: every ``FLUSH_EVERY`` lines, and at the first step a
+second after the oldest line not yet written, so that a reader of a running
+server sees all but the last second. Benchmarks and tests read it to judge
+rates at the engine.
 """
 
 from __future__ import annotations

@@ -295,14 +295,14 @@ class OutputRatePolicy:
         now_ns = self.limiter.now_ns()
         served: Mapping[str, int]
         if fast:
-            served, undispatched = self._charge_dispatched(output, now_ns), NOTHING
+            served, undispatched = self._charge_dispatched(output), NOTHING
         else:
             served, undispatched = self._sort_charged(output)
             if self.speculative is not None:
                 host = self._host
                 self.speculative.record_step(
                     self.step,
-                    now_ns,
+                    self.budget.taken_ns,
                     output,
                     host.requests,
                     inflight_prefills(host),
@@ -499,9 +499,7 @@ class OutputRatePolicy:
             for request in preempted:
                 waiting.add_request(request)
 
-    def _charge_dispatched(
-        self, output: SchedulerOutput, now_ns: int
-    ) -> Mapping[str, int]:
+    def _charge_dispatched(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Fast path: charge each user the sampling chunks dispatched."""
         host = self._host
         served: Mapping[str, int]
@@ -509,7 +507,7 @@ class OutputRatePolicy:
             # The most each chunk can emit (it may carry draft tokens).
             served = self.speculative.record_step(
                 self.step,
-                now_ns,
+                self.budget.taken_ns,
                 output,
                 host.requests,
                 inflight_prefills(host),
@@ -564,8 +562,10 @@ class OutputRatePolicy:
         received = served if spec is None else spec.delivered
         self._count_fair_shares(output, served, received, now_ns)
         if self.dispatch_log:
+            # Stamped with the time the tokens were taken (the step's start),
+            # so that windows between stamps are the limiter's own.
             if spec is None:
-                self.dispatch_log.record(now_ns, served)
+                self.dispatch_log.record(self.budget.taken_ns, served)
             else:
                 for time_ns, tokens in spec.delivered_at:
                     self.dispatch_log.record(time_ns, tokens)

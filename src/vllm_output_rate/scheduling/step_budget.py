@@ -30,6 +30,7 @@ class StepBudget:
         self._reserved: dict[str, int] = {}  # user -> tokens reserved this step
         self._remaining: dict[str, int] = {}  # user -> reserved and not yet spent
         self.refused_users: set[str] = set()
+        self.taken_ns = 0
 
     def begin_step(self, demand: Mapping[str, int]) -> bool:
         """Reserve each user's allowance for the step, up to its ``demand``.
@@ -39,6 +40,9 @@ class StepBudget:
         of it, i.e. nobody can be refused in this step.
         """
         self.refused_users.clear()
+        # The reservation's clock reading: the time the step's tokens were
+        # admitted (what the dispatch log stamps them with).
+        self.taken_ns = self.limiter.now_ns()
         cap = self._max_tokens_per_step
         if demand and max(demand.values()) > cap:
             demand = {user: min(count, cap) for user, count in demand.items()}
