@@ -52,6 +52,10 @@ KINDS = ("stock", "ours")
 # few active slots, users with weights and a floor on ours.
 SATURATED = "-saturated"
 SATURATED_KINDS = ("stock" + SATURATED, "ours" + SATURATED)
+# The same engines with n-gram speculation on the echo model (section 8,
+# benchmarks.speculative), limits far above demand on ours.
+SPECULATIVE = "-speculative"
+SPECULATIVE_KINDS = ("stock" + SPECULATIVE, "ours" + SPECULATIVE)
 # "ours" leasing its limits from the store at this URL (benchmarks/store.py).
 STORE_KIND = "ours-store"
 STORE_URL_ENV = "VLLM_OUTPUT_RATE_BENCH_STORE_URL"
@@ -74,7 +78,11 @@ def build_engine(kind: str, model: str) -> tuple[Any, list[Any], list[Any], Load
 
     extra: dict[str, Any] = {}
     saturated = kind.endswith(SATURATED)
-    base = kind.removesuffix(SATURATED)
+    base = kind.removesuffix(SATURATED).removesuffix(SPECULATIVE)
+    if kind.endswith(SPECULATIVE):
+        from benchmarks.speculative import SPECULATION
+
+        extra["speculative_config"] = SPECULATION
     if base in ("ours", STORE_KIND):
         section: dict[str, Any] = {
             "default_user_output_tokens_per_second": DEFAULT_LIMIT
@@ -104,6 +112,8 @@ def build_engine(kind: str, model: str) -> tuple[Any, list[Any], list[Any], Load
         SamplingParams(
             max_tokens=load.max_tokens,
             ignore_eos=True,
+            # Greedy with speculation: the echo model's drafts are accepted.
+            **({"temperature": 0.0} if kind.endswith(SPECULATIVE) else {}),
             extra_args={"output_rate_user": user} if user else None,
         )
         for user in load.users
@@ -322,7 +332,9 @@ def engine_throughput(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--child", choices=(*KINDS, STORE_KIND, *SATURATED_KINDS), required=True
+        "--child",
+        choices=(*KINDS, STORE_KIND, *SATURATED_KINDS, *SPECULATIVE_KINDS),
+        required=True,
     )
     parser.add_argument("--model", required=True)
     args = parser.parse_args()

@@ -388,10 +388,25 @@ def run(quick: bool, work_dir: Path) -> dict[str, Any]:
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
     work_dir.mkdir(parents=True, exist_ok=True)
+    echo = str(build_tiny_model(variant="echo"))
     return {
         "step_cost": step_cost(str(build_tiny_model()), quick),
-        "servers": servers(str(build_tiny_model(variant="echo")), quick, work_dir),
+        "engine": engine(echo, quick, work_dir),
+        "servers": servers(echo, quick, work_dir),
     }
+
+
+def engine(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
+    """Throughput with speculation and limits far above demand without the
+    HTTP front end (``engine_throughput``'s paired rounds): the servers'
+    rounds differ by up to 2x from one to the next on this machine."""
+    from benchmarks.engine_throughput import SPECULATIVE_KINDS, engine_throughput
+
+    engine_dir = work_dir / "engine"
+    engine_dir.mkdir(exist_ok=True)
+    return engine_throughput(
+        model, engine_dir, settle=lambda: 0.0, quick=quick, kinds=SPECULATIVE_KINDS
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

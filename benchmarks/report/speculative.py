@@ -29,7 +29,12 @@ ABOUT = (
     "Then, on the same two servers in alternating rounds: output tokens/s "
     "of 8 streams far below their limits (greedy; the mean over rounds, "
     "with the range of the rounds' ratios; ours writes its dispatch log "
-    "throughout, a cost counted against it); and "
+    "throughout, a cost counted against it). The servers' rounds differ up "
+    "to 2x from one to the next here (two runs gave 1.131 and 0.917), so "
+    "the throughput target is judged on the engine without HTTP: "
+    "section 1b's paired rounds through vLLM's `LLM` (32 streams x 256 "
+    "tokens, greedy, the same speculation; median ratio and quartiles). "
+    "And "
     "on ours, users limited to 20 and 100 tok/s with 4 streams each at "
     "temperature 1 (drafts rejected): delivered / limit from the engine's "
     "dispatch log (the tokens each user received) "
@@ -60,7 +65,15 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, bool | No
     srv = results.get("servers")
     if srv:
         ratios = [ours / stock for _, ours, stock in _acceptance_rates(srv)][:1]
-        throughput = srv["ours"]["throughput_tok_s"] / srv["stock"]["throughput_tok_s"]
+        engine = results.get("engine")
+        if engine is not None:  # judged without the HTTP front end
+            throughput = engine["ratio_median"]
+            tp_label = "8. speculative: engine throughput, limits far above demand"
+        else:  # runs before 2026-12-02 measured the servers only
+            tp_label = "8. speculative: throughput, limits far above demand"
+            throughput = (
+                srv["ours"]["throughput_tok_s"] / srv["stock"]["throughput_tok_s"]
+            )
         delivered = [f["delivered_per_limit"] for f in srv["accuracy"].values()]
         lo, hi = DELIVERED_RANGE
         rows += [
@@ -71,7 +84,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, bool | No
                 min(ratios) >= RATIO_TARGET,
             ),
             (
-                "8. speculative: throughput, limits far above demand",
+                tp_label,
                 f"ours / stock >= {RATIO_TARGET:g}",
                 f"{throughput:.3f}",
                 throughput >= RATIO_TARGET,
@@ -125,6 +138,15 @@ def table(results: dict[str, Any]) -> str:
             f"| ours/stock {ours_tp / stock_tp:.3f} "
             f"({ours_tp:.0f} vs {stock_tp:.0f} tok/s{spread}) | >= 0.98 |"
         )
+        engine = results.get("engine")
+        if engine is not None:
+            q1, q3 = engine["ratio_quartiles"]
+            ratio = engine["ratio_median"]
+            lines.append(
+                "| engine throughput with speculation (no HTTP), limits far above "
+                f"demand | ours/stock {ratio:.3f} [{q1:.3f}-{q3:.3f}], "
+                f"median of {engine['rounds']} paired rounds | >= 0.98 (judged) |"
+            )
         for figure in srv["accuracy"].values():
             held = "held" if figure["bound_held"] else "BROKEN"
             if "bound_excess_tokens" in figure:

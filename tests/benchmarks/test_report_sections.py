@@ -84,6 +84,24 @@ def test_the_speculative_section_judges_each_target(tmp_path: Path) -> None:
     assert "bound held" in text
 
 
+def test_speculative_throughput_is_judged_on_the_engine_when_measured(
+    tmp_path: Path,
+) -> None:
+    """The servers' ratio (0.99 here) is context once the engine's paired
+    rounds are there (0.95: missed)."""
+    results = speculative_results(1.0, True)
+    results["engine"] = {
+        "ratio_median": 0.95,
+        "ratio_quartiles": [0.93, 0.97],
+        "rounds": 16,
+    }
+    rows = speculative.summary_rows(results)
+    row = next(r for r in rows if "throughput" in r[0])
+    assert row[0].startswith("8. speculative: engine throughput") and row[3] is False
+    text = speculative.section(results, tmp_path, tmp_path)
+    assert "ours/stock 0.950 [0.930-0.970], median of 16 paired rounds" in text
+
+
 def test_the_bound_excess_counts_tokens_beyond_the_bound() -> None:
     from benchmarks.speculative import bound_excess
 
