@@ -91,6 +91,8 @@ class OutputRateLimiter:
         # The group (see the class docstring): default-rate users whose TAT
         # is group_now * scale + taken * interval. Never also in _tat.
         self._group_now_ns = 0
+        # The clock reading of the last take_many (the dispatch log's stamp).
+        self.last_take_ns = 0
         self._group_taken: dict[str, int] = {}
 
     @property
@@ -203,7 +205,7 @@ class OutputRateLimiter:
         user's allowance for a step with this one call, because with
         hundreds of users a call per user showed in the step time.
         """
-        clock_ns = self._clock()
+        clock_ns = self.last_take_ns = self._clock()
         if wanted and wanted == self._group_taken and self._group_is_free(clock_ns):
             # Steady decoding: the group asks for the same again and every
             # member is free, so it is renewed at this clock reading.

@@ -40,13 +40,12 @@ class StepBudget:
         of it, i.e. nobody can be refused in this step.
         """
         self.refused_users.clear()
-        # The reservation's clock reading: the time the step's tokens were
-        # admitted (what the dispatch log stamps them with).
-        self.taken_ns = self.limiter.now_ns()
         cap = self._max_tokens_per_step
         if demand and max(demand.values()) > cap:
             demand = {user: min(count, cap) for user, count in demand.items()}
         self._reserved = self.limiter.take_many(demand)
+        # The time the step's tokens were admitted (the dispatch log's stamp).
+        self.taken_ns = self.limiter.last_take_ns
         self._remaining = dict(self._reserved)
         return self._reserved == demand
 

@@ -240,6 +240,10 @@ class LeasedLimiter:
     def rate_of(self, user: str) -> float:
         return self._overrides.get(user, self._default)
 
+    @property
+    def last_take_ns(self) -> int:
+        return self.pacer.last_take_ns
+
     def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]:
         blocked = self._blocked
         if blocked and not blocked.isdisjoint(wanted):
