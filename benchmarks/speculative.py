@@ -19,13 +19,16 @@ predicts its input token, so drafts are accepted):
   with stock there, so only the greedy ratio is judged.
 * ``accuracy``: users at 20 and 100 tok/s with 4 streams each at temperature
   1 (so drafts are rejected): delivered / limit at the engine (the dispatch
-  log: the tokens each user received, at the time their step was
-  dispatched), and the bound ``(W + 0.1) x limit + 1`` on every window.
+  log: the tokens each user received, stamped when the limiter admitted
+  them), and the bound ``(W + 0.1) x limit + 1`` on every window, exactly.
 * ``throughput``: output tokens/s of 8 streams far below their limits, ours
   / stock (engine counter ``vllm:generation_tokens_total`` over each round),
-  on the same two servers in alternating rounds: measured one server after
-  the other, the machine's noise made it 0.646 in one run; side by side the
-  ratio is about 1.
+  on the same two servers in alternating rounds (measured one server after
+  the other, the machine's noise made it 0.646 in one run). Context only:
+  single rounds differ up to 2x here.
+* ``engine``: the throughput target, judged without the HTTP front end:
+  ``engine_throughput``'s paired rounds through vLLM's ``LLM``, greedy, the
+  same speculation, stock against ours.
 
 Hybrid and multimodal models, pipeline parallelism and LoRA are measured at
 scheduler level by their tests only (tests/scheduling/test_model_kinds.py):
@@ -140,8 +143,9 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
 # Draft acceptance: rounds of this many requests (200 tokens each, 2 at a
 # time) of a user far below its limit, on both servers in turn.
 ACCEPTANCE_ROUNDS = 6
-THROUGHPUT_ROUNDS = 6
 ACCEPTANCE_REQUESTS = 16
+# Server throughput: rounds of ``_throughput`` on both servers in turn.
+THROUGHPUT_ROUNDS = 6
 # (label, temperature). Seeded requests were tried too: two stock servers
 # given the same seeds did not produce the same drafts, so seeds do not make
 # the servers comparable request by request.
@@ -198,6 +202,12 @@ def acceptance_rate(rounds: list[dict[str, float]]) -> float:
     return sum(r["accepted"] for r in rounds) / drafted if drafted else float("nan")
 
 
+def _in_turn(urls: dict[str, str], number: int) -> list[str]:
+    """The servers' order in round ``number``: it swaps every round, so
+    that the machine's noise falls on both alike."""
+    return list(urls) if number % 2 == 0 else list(reversed(urls))
+
+
 def _acceptance(urls: dict[str, str], model: str, rounds: int) -> dict[str, Any]:
     """Draft acceptance of a user far below its limit on both servers, in
     alternating rounds (the order swaps every round): per mode and server,
@@ -206,8 +216,7 @@ def _acceptance(urls: dict[str, str], model: str, rounds: int) -> dict[str, Any]
     for label, temperature in ACCEPTANCE_MODES:
         per_server: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
         for number in range(rounds):
-            order = list(urls) if number % 2 == 0 else list(reversed(urls))
-            for name in order:
+            for name in _in_turn(urls, number):
                 counts = _acceptance_round(urls[name], model, temperature)
                 counts["rate"] = (
                     counts["accepted"] / counts["drafted"]
@@ -248,15 +257,12 @@ def _throughput(url: str, model: str, seconds: float) -> float:
 def _throughput_rounds(
     urls: dict[str, str], model: str, seconds: float, rounds: int
 ) -> dict[str, Any]:
-    """``_throughput`` on both servers in alternating rounds (the order swaps
-    every round), so that the machine's noise falls on both alike: each
-    round's figures, and each server's mean."""
-    per_round: list[dict[str, float]] = []
-    for number in range(rounds):
-        order = list(urls) if number % 2 == 0 else list(reversed(urls))
-        per_round.append(
-            {name: _throughput(urls[name], model, seconds) for name in order}
-        )
+    """``_throughput`` on both servers in alternating rounds (``_in_turn``):
+    each round's figures, and each server's mean."""
+    per_round = [
+        {name: _throughput(urls[name], model, seconds) for name in _in_turn(urls, i)}
+        for i in range(rounds)
+    ]
     return {
         "rounds": per_round,
         **{name: statistics.mean(r[name] for r in per_round) for name in urls},
@@ -332,9 +338,10 @@ def _server_pair(model: str, work_dir: Path, dispatch_log: str | None = None):
     from vllm_output_rate.demo.server import running_server
 
     args = _server_args()
-    envs = {"stock": STOCK_ENV, "ours": {}}
-    if dispatch_log:
-        envs["ours"] = {"VLLM_OUTPUT_RATE_DISPATCH_LOG": dispatch_log}
+    envs = {
+        "stock": STOCK_ENV,
+        "ours": {"VLLM_OUTPUT_RATE_DISPATCH_LOG": dispatch_log} if dispatch_log else {},
+    }
     with ExitStack() as stack:
         urls = {
             name: stack.enter_context(

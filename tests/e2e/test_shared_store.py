@@ -268,9 +268,9 @@ def test_both_servers_keep_serving_while_the_store_is_down(
         assert count >= 0.8 * expected, (count, expected, facts)
     # Back on leases: the limit again (the bound is checked below).
     end = t0 + 12 * S
-    on_a, on_b = dispatched(logs, "u", marks["up"] + 2 * S, end)
-    seconds = (end - marks["up"] - 2 * S) / S
     back = (marks["up"] + 2 * S, end)
+    on_a, on_b = dispatched(logs, "u", *back)
+    seconds = (back[1] - back[0]) / S
     stall_a = stalled_s(dispatched(logs, "witness-a", *back)[0], *back)
     stall_b = stalled_s(dispatched(logs, "other", *back)[1], *back)
     expected = LIMIT * (seconds - 0.75 * stall_a - 0.25 * stall_b)

@@ -596,8 +596,9 @@ class LeasedLimiter:
                     self._failing = True
                     self._logger.warning(
                         "Output rate store round failed (%s): retrying every "
-                        "%g s; leases hold until they expire, new users wait, "
-                        "and each user falls back to its fallback share if no "
+                        "%g s; users only this engine serves keep their leases "
+                        "until they expire, new and shared users wait, and "
+                        "every user falls back to its fallback share if no "
                         "answer comes within %g s",
                         error,
                         self.settings.refresh_s,
