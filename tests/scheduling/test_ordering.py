@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from vllm_output_rate.scheduling.ordering import (
     claim_order,
     rotate_within_groups,
     share_slots,
+    weighted_shares,
 )
 
 
@@ -40,7 +42,7 @@ def served(r: Req) -> int:
 def round_robin(last_served: dict[str, int]):
     """Plain turns: each user's k-th slot after everyone's (k-1)-th, the user
     served least recently first."""
-    return lambda u, k: (k, last_served.get(u, -1))
+    return lambda u, k, turn: (k, last_served.get(u, -1))
 
 
 def test_rotation_moves_the_least_recently_served_stream_first() -> None:
@@ -66,7 +68,7 @@ def test_fair_order_interleaves_users_least_recently_served_first() -> None:
 def test_fair_order_hands_slots_in_proportion_to_weight() -> None:
     fair = FairShare({"a": 2})
     reqs = [Req(f"{u}{i}", u, i) for u in "ab" for i in range(6)]
-    order = fair_order(reqs, user, served, lambda u, k: fair.key(u, k, 0))
+    order = fair_order(reqs, user, served, lambda u, k, turn: fair.key(u, k, 0, turn))
     # a's k-th slot ranks at k/2, b's at k: two of a's for each of b's
     # (ties go to the name first in order).
     assert "".join(r.user for r in order[:6]) == "abaaba"
@@ -76,7 +78,7 @@ def test_fair_order_puts_the_least_served_user_first() -> None:
     fair = FairShare()
     fair.charge({"a": 5}, {"b": 4})  # a: 5 output tokens; b: 4 prompt (2.0)
     reqs = [Req(f"{u}{i}", u) for u in "ab" for i in range(4)]
-    order = fair_order(reqs, user, served, lambda u, k: fair.key(u, k, 0))
+    order = fair_order(reqs, user, served, lambda u, k, turn: fair.key(u, k, 0, turn))
     # b is owed 3 tokens: its slots rank 2, 3, 4, 5; a's 5, 6, 7, 8.
     assert "".join(r.user for r in order) == "bbbabaaa"
 
@@ -88,7 +90,7 @@ def test_a_user_below_its_floor_goes_before_every_counter() -> None:
     assert fair.credit("f") == 3
     fair.charge({"f": 1000}, {})
     reqs = [Req(f"{u}{i}", u) for u in "af" for i in range(5)]
-    order = fair_order(reqs, user, served, lambda u, k: fair.key(u, k, 0))
+    order = fair_order(reqs, user, served, lambda u, k, turn: fair.key(u, k, 0, turn))
     assert "".join(r.user for r in order)[:3] == "fff"
 
 
@@ -96,11 +98,11 @@ def test_share_slots_hands_free_places_to_waiting_users_by_rank() -> None:
     fair = FairShare()
     fair.charge({"a": 10, "b": 3, "c": 1}, {})
     running = [Req("a0", "a"), Req("a1", "a"), Req("b0", "b")]
-    order, granted = share_slots(
+    order, granted, *_ = share_slots(
         running,
         user,
         served,
-        lambda u, k: fair.key(u, k, 0),
+        lambda u, k, turn: fair.key(u, k, 0, turn),
         waiting={"b": 2, "c": 3, "new": 1},
         slots=4,
         room=2,
@@ -115,14 +117,73 @@ def test_share_slots_leaves_requests_beyond_the_budget_last() -> None:
     fair = FairShare()
     fair.charge({"a": 1}, {})
     reqs = [Req(f"a{i}", "a") for i in range(3)] + [Req("b0", "b")]
-    order, _ = share_slots(
+    order, *_ = share_slots(
         reqs,
         user,
         served,
-        lambda u, k: fair.key(u, k, 0),
+        lambda u, k, turn: fair.key(u, k, 0, turn),
         limit_of={"a": 1, "b": 1}.get,
     )
     assert [r.name for r in order] == ["b0", "a0", "a1", "a2"]
+
+
+def test_weighted_shares_split_by_weight_and_give_unused_slots_away() -> None:
+    weight = {"a": 2.0}.get
+    shares = weighted_shares(3, {"a": 16, "b": 16}, lambda u: weight(u, 1.0))
+    assert shares == {"a": 2.0, "b": 1.0}
+    # b can use one slot only: the rest goes to the others by weight.
+    shares = weighted_shares(6, {"a": 9, "b": 1, "c": 9}, lambda u: weight(u, 1.0))
+    assert shares["b"] == 1 and shares["a"] == 2 * shares["c"]
+    assert sum(shares.values()) == pytest.approx(6)
+    assert weighted_shares(0, {"a": 1}, lambda u: 1.0) == {}
+
+
+def test_a_request_keeps_its_slot_for_its_turn_within_its_users_share() -> None:
+    """a and b are level; a's two requests and b's one ran last step, in
+    their turns. a's share of 3 slots is 1.5, so both of a's turns are kept
+    on (2 = ceil 1.5) and b's waiting second request does not churn them."""
+    fair = FairShare()
+    running = [Req("a0", "a", 7), Req("a1", "a", 7), Req("a2", "a", 2)]
+    running += [Req("b0", "b", 7), Req("b1", "b", 1)]
+    in_turn = {"a0": 10, "a1": 10, "b0": 10}
+    user_served = {"a": 7, "b": 5}  # ties go to b
+    order, *_ = share_slots(
+        running,
+        user,
+        served,
+        lambda u, k, turn: fair.key(u, k, user_served[u], turn),
+        turn_left=lambda r: in_turn.get(r.name, 0),
+        weight_of=fair.weight,
+        slots=3,
+    )
+    assert {r.name for r in order[:3]} == {"a0", "a1", "b0"}
+    # Without turns the slots go round: b's second request takes one of a's.
+    order, *_ = share_slots(
+        running,
+        user,
+        served,
+        lambda u, k, turn: fair.key(u, k, user_served[u], turn),
+        slots=3,
+    )
+    assert sum(r.user == "b" for r in order[:3]) == 2
+
+
+def test_a_turn_never_holds_a_slot_owed_to_another_user_by_weight() -> None:
+    """b weighs 2: its share of 3 slots is 2. a's second request is in its
+    turn, but beyond a's share (1): b's new request takes the slot."""
+    fair = FairShare(weights={"b": 2.0})
+    running = [Req("a0", "a", 7), Req("a1", "a", 7), Req("b0", "b", 7)]
+    running += [Req("b1", "b", -1)]
+    order, *_ = share_slots(
+        running,
+        user,
+        served,
+        lambda u, k, turn: fair.key(u, k, 0, turn),
+        turn_left=lambda r: 10 if r.last_served == 7 else 0,
+        weight_of=fair.weight,
+        slots=3,
+    )
+    assert {r.name for r in order[:3]} == {"a0", "b0", "b1"}
 
 
 def test_fair_order_serves_a_lower_priority_value_first() -> None:

@@ -48,6 +48,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+# A request given an active slot keeps it for up to this many consecutive
+# steps while its user is within that many tokens (over its weight) of the
+# others: every change of the batch costs vLLM's model runner a rebuild of
+# its persistent batch, and rotating every step cost the tiny model's
+# engine a third of its throughput on a saturated load (BENCHMARKS.md,
+# section 9). It widens the bound by TURN_STEPS / weight.
+TURN_STEPS = 16
 # What one prompt token computed costs, relative to one output token (VTC's
 # evaluation weighs input tokens at half an output token). Prefill is paid
 # once per request; decoding is what users wait for.
@@ -108,12 +115,15 @@ class FairShare:
     def credit(self, user: str) -> float:
         return self._credit.get(user, 0.0)
 
-    def key(self, user: str, k: int, last_served: int) -> tuple[int, float, int]:
-        """The rank of ``user``'s ``k``-th slot in this step (0-based)."""
+    def key(
+        self, user: str, k: int, last_served: int, turn_left: int = 0
+    ) -> tuple[int, float, int]:
+        """The rank of ``user``'s ``k``-th slot in this step (0-based), for a
+        request with ``turn_left`` steps left in its turn."""
         below = self._credit.get(user, 0.0) - k >= 1.0
         return (
             0 if below else 1,
-            self.service(user) + k / self.weight(user),
+            self.service(user) + (k - turn_left) / self.weight(user),
             last_served,
         )
 

@@ -14,6 +14,7 @@ priority and the scheduler step at which it last received an output token.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import (
     Callable,
@@ -23,7 +24,7 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.fair_share import FairShare
@@ -55,27 +56,50 @@ def rotate_within_groups(
     return rotated
 
 
+class SharedSlots(NamedTuple, Generic[R]):
+    """What ``share_slots`` decided for a step."""
+
+    order: list[R]  # the requests, in the order vLLM should serve them
+    granted: dict[str, int]  # slots handed to waiting requests, per user
+    # For ``kept_batch``: each user's last running slot picked (its k, the
+    # user's requests picked, whether that slot's turn was kept on); its
+    # running requests ranked; the next slot k of each picked user left
+    # unpicked; the best (key, user) of the users picked nothing (None:
+    # none), as the ranking's heap orders them.
+    last_picks: dict[str, tuple[int, list[R], bool]]
+    resident: dict[str, int]
+    next_slots: dict[str, int]
+    rivals_key: Any
+
+
 def share_slots(
     requests: Sequence[R],
     user_of: Callable[[R], str],
     last_served_of: Callable[[R], int],
-    key_of: Callable[[str, int], Any],
+    key_of: Callable[[str, int, int], Any],
     *,
+    turn_left: Callable[[R], int] | None = None,
+    weight_of: Callable[[str], float] | None = None,
     priority_of: Callable[[R], int] | None = None,
     limit_of: Callable[[str], int] | None = None,
     waiting: Mapping[str, int] | None = None,
     slots: int = 0,
     room: int = 0,
-) -> tuple[list[R], dict[str, int]]:
+) -> SharedSlots[R]:
     """Hand a step's active slots out one at a time, best ``key_of`` first.
 
-    ``key_of(user, k)`` ranks the ``k``-th slot of ``user`` in this step
+    ``key_of(user, k, turn)`` ranks the ``k``-th slot of ``user`` in this
+    step, for a request with ``turn`` steps left in its turn
     (``fair_share.FairShare.key``: the user owed most first, weighted
-    round-robin in tokens). Each user's requests take turns, the one served
-    least recently first. With ``priority_of``, a lower priority value is
-    served first (vLLM's convention) and the ranking applies within a
-    priority. ``limit_of(user)`` is how many slots the user's budget can use:
-    its requests beyond that go last (they will be throttled).
+    round-robin in tokens, a request in its turn kept on). Each user's
+    requests take turns: those in their turn (``turn_left``) first, then the
+    one served least recently. A turn is kept on only within the user's
+    weighted share of the slots (``weight_of``, ``weighted_shares``): a
+    turn never holds a slot another user is owed by weight. With
+    ``priority_of``, a lower priority value is served first (vLLM's
+    convention) and the ranking applies within a priority. ``limit_of(user)``
+    is how many slots the user's budget can use: its requests beyond that go
+    last (they will be throttled).
 
     ``waiting`` (user -> waiting requests it could admit; FCFS only) competes
     for the first ``slots`` active slots too, at most ``room`` of them (free
@@ -98,10 +122,26 @@ def share_slots(
     over_limit: list[R] = []
     granted: dict[str, int] = {}
     picked = 0
+    last_picks: dict[str, tuple[int, list[R], bool]] = {}
+    next_slots: dict[str, int] = {}
+    rivals_key = None
+    turns: Callable[[R], int] = turn_left or (lambda request: 0)
+
+    def order(request: R) -> tuple[int, int]:
+        return (-turns(request), last_served_of(request))
+
+    protected: Mapping[str, float] = {}
+
+    def kept_on(user: str, k: int, queue: Sequence[R]) -> bool:
+        return k < len(queue) and k < protected.get(user, 0)
+
+    def key(user: str, k: int, queue: Sequence[R]) -> Any:
+        return key_of(user, k, turns(queue[k]) if kept_on(user, k, queue) else 0)
+
+    queues_seen: dict[str, list[R]] = {}
     for priority in sorted(classes):
-        queues = {
-            u: sorted(reqs, key=last_served_of) for u, reqs in classes[priority].items()
-        }
+        queues = {u: sorted(reqs, key=order) for u, reqs in classes[priority].items()}
+        queues_seen.update(queues)
         candidates = set(queues)
         candidates.update(waiting if priority == 0 else ())
         available = {}
@@ -110,20 +150,35 @@ def share_slots(
             if limit_of is not None:
                 count = min(count, limit_of(user))
             available[user] = count
+        if turn_left is not None and weight_of is not None and slots:
+            shares = weighted_shares(slots - picked, available, weight_of)
+            protected = {user: math.ceil(share) for user, share in shares.items()}
         # A waiting user with nothing running gets its first slot ahead of
         # every rank: a user that arrives with budget never waits for others
         # (README, "Nobody waits for a throttled request").
-        heap = [((u in queues, key_of(u, 0)), u) for u in candidates if available[u]]
+        heap = [
+            ((u in queues, key(u, 0, queues.get(u, ()))), u)
+            for u in candidates
+            if available[u]
+        ]
         heapq.heapify(heap)
         taken: Counter[str] = Counter()
         while heap:
             if slots and picked >= slots:
+                for entry in heap:
+                    if entry[1] in taken:
+                        next_slots[entry[1]] = taken[entry[1]]
+                    elif rivals_key is None or entry < rivals_key:
+                        rivals_key = entry
                 break  # the rest is deferred: no need to rank it
             _, user = heapq.heappop(heap)
             k = taken[user]
             queue = queues.get(user, ())
             if k < len(queue):
                 ordered.append(queue[k])
+                picks = last_picks[user][1] if user in last_picks else []
+                picks.append(queue[k])
+                last_picks[user] = (k, picks, kept_on(user, k, queue))
             elif picked < slots and room > 0:
                 granted[user] = granted.get(user, 0) + 1
                 room -= 1
@@ -132,7 +187,7 @@ def share_slots(
             picked += 1
             taken[user] = k + 1
             if k + 1 < available[user]:
-                heapq.heappush(heap, ((True, key_of(user, k + 1)), user))
+                heapq.heappush(heap, ((True, key(user, k + 1, queue)), user))
         deferred = []
         for user, queue in queues.items():
             rest = queue[min(taken[user], len(queue)) :]
@@ -140,7 +195,30 @@ def share_slots(
             deferred.extend(rest[:within])
             over_limit.extend(rest[within:])
         ordered.extend(deferred)
-    return ordered + over_limit, granted
+    resident = {user: len(queues_seen.get(user, ())) for user in last_picks}
+    return SharedSlots(
+        ordered + over_limit, granted, last_picks, resident, next_slots, rivals_key
+    )
+
+
+def weighted_shares(
+    slots: int, demand: Mapping[str, int], weight_of: Callable[[str], float]
+) -> dict[str, float]:
+    """Split ``slots`` between users by weight, none above its ``demand``
+    (max-min fair: what a user cannot use goes to the others by weight)."""
+    shares: dict[str, float] = {}
+    left = {user: count for user, count in demand.items() if count > 0}
+    free = float(slots)
+    while left and free > 0:
+        per_weight = free / sum(map(weight_of, left))
+        full = [u for u, count in left.items() if count <= per_weight * weight_of(u)]
+        if not full:
+            shares.update((u, per_weight * weight_of(u)) for u in left)
+            break
+        for user in full:
+            shares[user] = left.pop(user)
+            free -= shares[user]
+    return shares
 
 
 # ----- who gets a scarce resident slot -----------------------------------------

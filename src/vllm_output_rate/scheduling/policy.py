@@ -18,7 +18,9 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
    closed when nobody waiting can be admitted), then the running list may be
    reordered (throttled requests last, a user's streams rotated, contested
    active slots handed to the users owed most service, running and waiting
-   requests alike: ``fair_share.py``, ``ordering.share_slots``).
+   requests alike: ``fair_share.py``, ``ordering.share_slots``). A step on
+   a saturated engine whose ranking could not pick otherwise keeps the last
+   ranking's batch instead (``kept_batch.py``).
 2. ``on_chunk`` (vLLM's ``_reserve_prefill_lookahead``), for every request
    vLLM sizes a chunk for, except in fast steps: a chunk that reaches the end
    of the sequence samples a token and is charged. Without budget the chunk
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
@@ -79,17 +82,24 @@ from vllm_output_rate.identity import user_or_anonymous
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling.demand import (
     LAST_SERVED_ATTR,
+    TURN_START_ATTR,
     USER_ATTR,
     Demand,
     FirstTokens,
     last_served_of,
+    turn_start_of,
     user_of,
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.engine_modes import EngineModes
-from vllm_output_rate.scheduling.fair_share import FairShare
+from vllm_output_rate.scheduling.fair_share import TURN_STEPS, FairShare
+from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
-from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
+from vllm_output_rate.scheduling.ordering import (
+    SharedSlots,
+    rotate_within_groups,
+    share_slots,
+)
 from vllm_output_rate.scheduling.residency import Residency, StepSlots
 from vllm_output_rate.scheduling.speculative import SpeculativeLedger, num_drafts
 from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
@@ -180,6 +190,11 @@ class OutputRatePolicy:
         # Active slots the running requests may fill in this step.
         self._running_cap = self.active_cap
         self._engaged = False  # someone was throttled or the active cap binds
+        # This step's ranking of the active slots, and the batch a later
+        # step may keep without ranking again (``kept_batch.py``).
+        self._ranking: SharedSlots[Request] | None = None
+        self._kept: KeptBatch | None = None
+        self._keeping = False  # this step keeps the batch
         # Resident slots and KV for users with budget (slow steps only).
         self.residency = Residency()
         self.slots: StepSlots | None = None
@@ -225,6 +240,7 @@ class OutputRatePolicy:
             user_or_anonymous(params.extra_args if params is not None else None),
         )
         setattr(request, LAST_SERVED_ATTR, -1)
+        setattr(request, TURN_START_ATTR, -1)
 
     def added(self, request: Request) -> None:
         user = user_of(request)
@@ -243,6 +259,7 @@ class OutputRatePolicy:
         host = self._host
         self.step += 1
         if self._limits_file and self._limits_file.poll(self.limiter, self.fair):
+            self._kept = None
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
         spec = self.speculative
         if spec is not None:
@@ -267,11 +284,79 @@ class OutputRatePolicy:
         fast = everyone_covered and len(host.running) <= self.active_cap and not crowded
         self.slots = None
         self._admission_closed = False
+        self._ranking = None
+        self._keeping = not fast and self._keeps_batch(everyone_covered)
+        if self._keeping:
+            # Every active slot stays with its request: no waiting request
+            # may take one, so vLLM's waiting scan ends at once.
+            host.max_num_active_reqs = 0
+            self._admission_closed = True
+            return fast, {}
+        self._kept = None
         if not fast and len(host.requests) > len(host.running):
             self._plan_residency()
         engaged = (self._engaged or crowded) and not fast
         moved_arrivals = self._plan_step() if engaged else {}
         return fast, moved_arrivals
+
+    def _keeps_batch(self, everyone_covered: bool) -> bool:
+        """Whether this step may serve the last ranking's batch again."""
+        kept, host = self._kept, self._host
+        if kept is None or not everyone_covered or host.finished_req_ids:
+            return False
+        if len(host.requests) != kept.requests or len(host.running) != kept.running:
+            return False
+        floors = self.fair.floors
+        if floors and not floors.keys().isdisjoint(self.demand.unfinished):
+            return False  # floor credit grows with time: rank again
+        return kept.still_first(
+            self.step, self.fair, self._user_last_served, self._turn_left
+        )
+
+    def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
+        """The batch the next step may keep: this step's, if it was ranked
+        (or kept) and changed nothing the ranking reads."""
+        host, slots = self._host, self.slots
+        kept = self._kept if self._keeping else None
+        if kept is None and self._ranking is None:
+            return None
+        if (
+            host.policy == SchedulingPolicy.PRIORITY
+            or self.budget.refused_users
+            or self.throttled
+            or output.preempted_req_ids
+            or (slots is not None and slots.admissions)
+            or self._active_in_step < self._running_cap
+        ):
+            return None
+        picks = (kept or self._ranking).last_picks  # type: ignore[union-attr]
+        step = self.step
+        for _, requests, _ in picks.values():
+            for request in requests:
+                if last_served_of(request) != step:
+                    return None  # not served (a prefill chunk): its turn moved
+        if kept is None:
+            assert self._ranking is not None
+            # When a request's turn ends it ranks behind its user's other
+            # residents, if it has any: the ranking turns to them then.
+            resident = self._ranking.resident
+            kept = KeptBatch(
+                until=min(
+                    (
+                        turn_start_of(r) + TURN_STEPS
+                        for user, (_, requests, _) in picks.items()
+                        if resident[user] > len(requests)
+                        for r in requests
+                    ),
+                    default=sys.maxsize,
+                ),
+                last_picks=self._ranking.last_picks,
+                next_slots=self._ranking.next_slots,
+                rivals_key=self._ranking.rivals_key,
+                waiting_users=frozenset(slots.left_waiting() if slots else ()),
+            )
+        kept.requests, kept.running = len(host.requests), len(host.running)
+        return kept
 
     def _crowded(self) -> bool:
         """Whether waiting requests of several users compete for fewer free
@@ -309,6 +394,7 @@ class OutputRatePolicy:
                     self.speculative.charges,
                 )
         self._settle(output, served, undispatched, now_ns)
+        self._kept = None if fast else self._batch_to_keep(output)
         if self.slots is not None:
             self.residency.scanned(self.slots)
         if output.preempted_req_ids or self.residency.recomputing:
@@ -454,17 +540,22 @@ class OutputRatePolicy:
                 # requests ahead of it).
                 self._running_cap = self.active_cap - 1
             fair, last_served = self.fair, self._user_last_served
-            ready, granted = share_slots(
+            ranking = self._ranking = share_slots(
                 ready,
                 user_of,
                 last_served_of,
-                lambda user, k: fair.key(user, k, last_served.get(user, -1)),
+                lambda user, k, turn: fair.key(
+                    user, k, last_served.get(user, -1), turn
+                ),
+                turn_left=self._turn_left,
+                weight_of=fair.weight,
                 priority_of=(lambda r: r.priority) if priority else None,
                 limit_of=budget.remaining,
                 waiting=waiting,
                 slots=active,
                 room=slots.free if slots is not None else 0,
             )
+            ready, granted = ranking.order, ranking.granted
             if slots is not None and waiting:
                 slots.granted = granted
                 self._running_cap = active - sum(granted.values())
@@ -536,6 +627,8 @@ class OutputRatePolicy:
         for request_id, request in self._charged.items():
             count = charges[request_id] if charges is not None else 1
             if request_id in scheduled:
+                if last_served_of(request) != self.step - 1:
+                    setattr(request, TURN_START_ATTR, self.step)
                 setattr(request, LAST_SERVED_ATTR, self.step)
                 served[user_of(request)] += count
             else:
@@ -617,6 +710,8 @@ class OutputRatePolicy:
         backlogged: Collection[str] = self._deferred_users
         if self.slots is not None and self.slots.wanted:
             backlogged = self._deferred_users.union(self.slots.left_waiting())
+        elif self._keeping and self._kept is not None:
+            backlogged = self._deferred_users.union(self._kept.waiting_users)
         else:
             host, unfinished = self._host, self.demand.unfinished
             if len(unfinished) == 1 and len(host.requests) > len(host.running):
@@ -627,6 +722,15 @@ class OutputRatePolicy:
             fair.charge(received, self._prompt_tokens(output))
             fair.backlogged(backlogged, self.budget.refused_users)
         fair.credit_floors(now_ns, self.demand.unfinished, received)
+
+    def _turn_left(self, request: Request) -> int:
+        """Steps left in the request's turn (``fair_share.TURN_STEPS``): 0
+        unless it was served in the previous step."""
+        step = self.step
+        if last_served_of(request) != step - 1:
+            return 0
+        started: int = turn_start_of(request)
+        return max(0, TURN_STEPS - (step - started))
 
     def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Prompt tokens computed in the step per user (prefill, recompute):
@@ -794,6 +898,7 @@ class OutputRatePolicy:
             remove_users=update.remove_users,
         )
         fair.update(update.user_weights, update.user_floors, update.remove_users)
+        self._kept = None
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
         return self.limits()
 
