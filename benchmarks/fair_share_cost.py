@@ -3,7 +3,8 @@
 ``R`` resident requests spread round-robin over ``U`` users, half of the
 users at weight 2, limits far above demand, and ``--max-num-active-seqs``
 at ``R / 2``: every step hands the active slots out by rank
-(``ordering.share_slots``) and defers the other half. Stock vLLM runs the
+(``ordering.share_slots``), or keeps the last ranking's batch where ranking
+could not change it (``kept_batch.py``), and defers the other half. Stock vLLM runs the
 same requests with the same configuration (it admits ``R / 2`` and queues
 the rest). Schedulers are stepped side by side in shuffled rounds (the
 machines are noisy); a ratio is the median over rounds of ours / stock in

@@ -208,8 +208,10 @@ def table(results: dict[str, Any]) -> str:
             f"The ranking's step cost (no server; `PYTHONPATH=tests:. python -m "
             f"benchmarks.fair_share_cost --requests {cost['requests']} --rounds "
             f"{cost['rounds']}`): R = {cost['requests']:,} resident requests, "
-            "active slots R / 2, so every step ranks; stock admits R / 2 in "
-            "queue order and never looks at the rest.",
+            "active slots R / 2, so every step is contested: it ranks, or "
+            "keeps the last ranking's batch where ranking could not change it "
+            "(`kept_batch.py`); stock admits R / 2 in queue order and never "
+            "looks at the rest.",
             "",
             "| scheduler | schedule() median ms | step / stock (median) |",
             "|---|---:|---:|",

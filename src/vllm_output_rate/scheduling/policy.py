@@ -316,12 +316,11 @@ class OutputRatePolicy:
     def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
         (or kept) and changed nothing the ranking reads."""
-        host, slots = self._host, self.slots
+        host, slots, ranking = self._host, self.slots, self._ranking
         kept = self._kept if self._keeping else None
-        if kept is None and self._ranking is None:
-            return None
         if (
-            host.policy == SchedulingPolicy.PRIORITY
+            (kept is None and ranking is None)
+            or host.policy == SchedulingPolicy.PRIORITY
             or self.budget.refused_users
             or self.throttled
             or output.preempted_req_ids
@@ -329,32 +328,31 @@ class OutputRatePolicy:
             or self._active_in_step < self._running_cap
         ):
             return None
-        picks = (kept or self._ranking).last_picks  # type: ignore[union-attr]
-        step = self.step
-        for _, requests, _ in picks.values():
-            for request in requests:
-                if last_served_of(request) != step:
-                    return None  # not served (a prefill chunk): its turn moved
         if kept is None:
-            assert self._ranking is not None
+            assert ranking is not None
             # When a request's turn ends it ranks behind its user's other
             # residents, if it has any: the ranking turns to them then.
-            resident = self._ranking.resident
+            resident = ranking.resident
             kept = KeptBatch(
                 until=min(
                     (
                         turn_start_of(r) + TURN_STEPS
-                        for user, (_, requests, _) in picks.items()
+                        for user, (_, requests, _) in ranking.last_picks.items()
                         if resident[user] > len(requests)
                         for r in requests
                     ),
                     default=sys.maxsize,
                 ),
-                last_picks=self._ranking.last_picks,
-                next_slots=self._ranking.next_slots,
-                rivals_key=self._ranking.rivals_key,
+                last_picks=ranking.last_picks,
+                next_slots=ranking.next_slots,
+                rivals_key=ranking.rivals_key,
                 waiting_users=frozenset(slots.left_waiting() if slots else ()),
             )
+        step = self.step
+        for _, requests, _ in kept.last_picks.values():
+            for request in requests:
+                if last_served_of(request) != step:
+                    return None  # not served (a prefill chunk): its turn moved
         kept.requests, kept.running = len(host.requests), len(host.running)
         return kept
 
