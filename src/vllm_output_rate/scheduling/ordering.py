@@ -104,10 +104,12 @@ def share_slots(
     ``waiting`` (user -> waiting requests it could admit; FCFS only) competes
     for the first ``slots`` active slots too, at most ``room`` of them (free
     resident slots); a waiting user with nothing running takes its first
-    slot ahead of every rank. Returns the requests in order and the slots handed to
-    waiting requests per user; the caller gives the running requests
-    ``slots`` minus those. Once ``slots`` are handed out the rest is not
-    ranked (it is deferred in this step): the heap work is O(slots log U).
+    slot ahead of every rank. Returns the requests in order, the slots
+    handed to waiting requests per user (the caller gives the running
+    requests ``slots`` minus those) and what ``kept_batch`` needs to tell
+    whether a later step would rank the same (``SharedSlots``). Once
+    ``slots`` are handed out the rest is not ranked (it is deferred in this
+    step): the heap work is O(slots log U).
     """
     waiting = waiting or {}
     classes: dict[int, dict[str, list[R]]] = {}
