@@ -52,8 +52,8 @@ from collections.abc import Collection, Mapping
 # steps while its user is within that many tokens (over its weight) of the
 # others: every change of the batch costs vLLM's model runner a rebuild of
 # its persistent batch, and rotating every step cost the tiny model's
-# engine a third of its throughput on a saturated load (BENCHMARKS.md,
-# section 9). It widens the bound by TURN_STEPS / weight.
+# saturated engine about 200 us of a 2.7 ms step (docs/architecture.md,
+# "Turns"). It widens the bound by TURN_STEPS / weight.
 TURN_STEPS = 16
 # What one prompt token computed costs, relative to one output token (VTC's
 # evaluation weighs input tokens at half an output token). Prefill is paid
