@@ -82,7 +82,7 @@ def load(url: str, model: str, users: list[UserLoad], **kwargs) -> LoadResult:
 def assert_limited(result: LoadResult, user: str | None, limit: float) -> None:
     summary = result.user(user)
     assert summary.tokens_client == summary.tokens_server
-    # (span + 0.1) * limit + 1, with 0.25 s for client-side timing.
+    # (W + 0.1) * limit + 1, W from the first request sent to the last token.
     assert summary.bound_ok, (user, summary)
     assert summary.rate_tok_s >= 0.85 * limit, (user, summary)
 

@@ -12,6 +12,7 @@ from vllm_output_rate.loadtest.summary import (
     RequestRecord,
     bin_rates,
     bound_allowance,
+    bound_window,
     percentile,
     span_rate,
     summarize,
@@ -53,8 +54,13 @@ class TestSpanRate:
         assert span_rate(1.0, 1.0, 5) is None  # all at one instant
 
     def test_bound_allowance(self):
-        assert bound_allowance(10.0, 20.0) == pytest.approx(10.35 * 20 + 1)
-        assert bound_allowance(0.0, 50.0) == pytest.approx(18.5)
+        assert bound_allowance(10.0, 20.0) == pytest.approx(10.1 * 20 + 1)
+        assert bound_allowance(0.0, 50.0) == pytest.approx(6.0)
+
+    def test_bound_window_runs_from_the_first_request_sent(self):
+        assert bound_window(0.5, 3.0) == pytest.approx(2.5)
+        assert bound_window(None, None) == 0.0
+        assert bound_window(0.5, None) == 0.0
 
 
 class TestBinRates:
@@ -108,8 +114,10 @@ class TestSummarize:
         assert a.last_token_s == pytest.approx(3.0)
         assert a.span_s == pytest.approx(2.0)
         assert a.rate_tok_s == pytest.approx(20 / 2.0)
-        # 21 tokens over 2 s at 10 tok/s: allowance 2.35 * 10 + 1 = 24.5.
-        assert a.bound_allowance == pytest.approx(24.5)
+        # Window from a's first request sent (0.2 s, stream 1) to its last
+        # token (3.0 s): 2.8 s at 10 tok/s, allowance 2.9 * 10 + 1 = 30.
+        assert a.bound_window_s == pytest.approx(2.8)
+        assert a.bound_allowance == pytest.approx(30.0)
         assert a.bound_ok is True
         # TTFT: 0.5 s and 1.8 s.
         assert a.ttft_p50_ms == pytest.approx(1150.0)
@@ -121,12 +129,25 @@ class TestSummarize:
         assert b.series_tok_s == [5.0, 0.0, 0.0, 0.0]
 
     def test_bound_exceeded_just_past_the_allowance(self):
-        # 1 s span at 10 tok/s: allowance 14.5; 14 tokens pass, 15 do not.
+        # 1 s window at 10 tok/s: allowance 12; 12 tokens pass, 13 do not.
         user = UserLoad("a", 1, limit=10.0)
-        ok = record("a", 0.0, [i / 13 for i in range(14)])
-        bad = record("a", 0.0, [i / 14 for i in range(15)])
+        ok = record("a", 0.0, [i / 11 for i in range(12)])
+        bad = record("a", 0.0, [i / 12 for i in range(13)])
         assert summarize_user(user, [ok], 1.0).bound_ok is True
         assert summarize_user(user, [bad], 1.0).bound_ok is False
+
+    def test_first_tokens_delivered_late_do_not_fail_the_bound(self):
+        # The engine paced 61 tokens evenly over [0.02, 1.02] s at 60 tok/s
+        # (within its bound), but HTTP held the first 20 back until 0.35 s.
+        # The first-to-last-token span (0.67 s) would allow 47 tokens; the
+        # window from the request sent (1.02 s) allows 68.
+        user = UserLoad("a", 1, limit=60.0)
+        engine = [0.02 + i / 60 for i in range(61)]
+        client = [max(t, 0.35) for t in engine]
+        s = summarize_user(user, [record("a", 0.0, client)], 1.1)
+        assert s.span_s == pytest.approx(0.67)
+        assert s.bound_window_s == pytest.approx(1.02)
+        assert s.bound_ok is True
 
     def test_multi_token_chunks_count_fully(self):
         user = UserLoad("a", 1)

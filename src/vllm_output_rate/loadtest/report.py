@@ -59,7 +59,8 @@ def format_table(result: LoadResult, title: str | None = None) -> str:
     Columns: user, limit (tok/s), streams, requests (completed, failed),
     tokens (client count / server usage), measured tok/s over the user's
     first-to-last-token span, TTFT p50/p95 in ms, and whether the bound
-    ``tokens <= (span + 0.1) * limit + 1`` held (yes / NO / n.a. without a
+    ``tokens <= (W + 0.1) * limit + 1`` held over the window from the user's
+    first request sent to its last token (yes / NO / n.a. without a
     limit).
     """
     table = Table(

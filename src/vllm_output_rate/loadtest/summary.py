@@ -18,14 +18,9 @@ from typing import Any
 
 from vllm_output_rate.loadtest.spec import UserLoad, user_label
 
-# Slack of the specification's bound check: tokens <= (span + 0.1) * limit + 1.
+# Slack of the specification's bound check: tokens <= (W + 0.1) * limit + 1.
 BOUND_SLACK_S = 0.1
 BOUND_SLACK_TOKENS = 1
-# The client times tokens after HTTP buffering, which can shorten a user's
-# apparent span a little; the engine-side bound itself is exact (and tested
-# at scheduler level). Saturated users sit exactly on the bound, so without
-# this tolerance the client-side check would flap on jitter alone.
-CLIENT_TIMING_SLACK_S = 0.25
 
 CAVEAT = (
     "Note: tokens are timed when their SSE chunk reaches this client, after the "
@@ -105,6 +100,7 @@ class UserSummary:
     first_token_s: float | None
     last_token_s: float | None
     span_s: float
+    bound_window_s: float
     rate_tok_s: float | None
     ttft_p50_ms: float | None
     ttft_p95_ms: float | None
@@ -150,13 +146,26 @@ def span_rate(first_s: float | None, last_s: float | None, tokens: int) -> float
     return (tokens - 1) / span
 
 
-def bound_allowance(span_s: float, limit: float) -> float:
-    """Tokens a user limited to ``limit`` tok/s may receive within ``span_s``.
+def bound_allowance(window_s: float, limit: float) -> float:
+    """Tokens a user limited to ``limit`` tok/s may receive within ``window_s``:
+    the specification's ``(W + 0.1) * limit + 1``."""
+    return (window_s + BOUND_SLACK_S) * limit + BOUND_SLACK_TOKENS
 
-    The specification's ``(W + 0.1) * limit + 1``, with W widened by
-    ``CLIENT_TIMING_SLACK_S`` for client-side timing.
+
+def bound_window(first_sent_s: float | None, last_token_s: float | None) -> float:
+    """The window the client can vouch for: from the user's first request sent
+    to its last token received.
+
+    The engine charged every token the user received after that request
+    reached it and before that last token reached the client, so this window
+    contains every charge and the bound holds in it exactly, however late HTTP
+    delivers the first tokens. (The first-to-last-token span does not: when the
+    first chunks arrive late, it is shorter than the engine's window, which
+    made a client-side check flap on delivery jitter alone.)
     """
-    return (span_s + BOUND_SLACK_S + CLIENT_TIMING_SLACK_S) * limit + BOUND_SLACK_TOKENS
+    if first_sent_s is None or last_token_s is None:
+        return 0.0
+    return max(0.0, last_token_s - first_sent_s)
 
 
 def bin_rates(
@@ -193,8 +202,9 @@ def summarize_user(
       token_count_mismatches: requests whose two counts differ.
     - rate_tok_s: ``(tokens_client - 1) / span`` where span runs from the
       user's first to its last token across all its streams.
-    - bound_ok (only with a limit): ``tokens_client <= (span + 0.1 + 0.25) *
-      limit + 1`` (0.25 s of client-side timing tolerance).
+    - bound_ok (only with a limit): ``tokens_client <= (window + 0.1) *
+      limit + 1``, where the window (``bound_window_s``) runs from the user's
+      first request sent to its last token received (see ``bound_window``).
     - TTFT percentiles over requests that received a token.
     - series_tok_s: tokens/s in ``bin_s`` bins from the run start.
     """
@@ -204,10 +214,11 @@ def summarize_user(
     first = min(times) if times else None
     last = max(times) if times else None
     span = last - first if first is not None and last is not None else 0.0
+    window = bound_window(min((r.start_s for r in mine), default=None), last)
     tokens = sum(n for _, n in chunks)
     with_usage = [r for r in mine if r.usage_completion_tokens is not None]
     ttfts = [r.ttft_s * 1000.0 for r in mine if r.ttft_s is not None]
-    allowance = bound_allowance(span, user.limit) if user.limit is not None else None
+    allowance = bound_allowance(window, user.limit) if user.limit is not None else None
     return UserSummary(
         name=user.name,
         limit=user.limit,
@@ -222,6 +233,7 @@ def summarize_user(
         first_token_s=first,
         last_token_s=last,
         span_s=span,
+        bound_window_s=window,
         rate_tok_s=span_rate(first, last, tokens),
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p95_ms=percentile(ttfts, 95),
