@@ -62,6 +62,12 @@ def servers(tiny_model_path: str, store: RedisServer):
         "--user-output-tokens-per-second",
         json.dumps({"u": LIMIT, "other": OTHER, "witness-a": OTHER}),
         "--output-rate-store", store.url,
+        # Two engines, the store and the clients share 2 cores here: store
+        # rounds took up to 0.23 s in CI, next to the 0.25 s default timeout,
+        # and a round that times out pauses the shared user (a blip the
+        # tests would read as a stall). Production round trips are ~1 ms.
+        "--additional-config",
+        json.dumps({"output_rate": {"store_timeout_s": 1.0}}),
         "--max-num-seqs", "16",
     ]  # fmt: skip
     logs = [folder / "dispatch-a.csv", folder / "dispatch-b.csv"]
@@ -351,7 +357,7 @@ def test_data_parallel_ranks_share_one_budget(
         result = run_load_sync(spec)
     assert result.ok, result.error_summary()
     summary = result.user("dp-user")
-    assert summary.bound_ok, summary  # (span + 0.1) x limit + 1, +0.25 s
+    assert summary.bound_ok, summary  # (W + 0.1) x limit + 1
     # While the load runs (8 s): after it, the last requests end one by one.
     steady = summary.series_tok_s[: round(spec.duration_s)]
     assert sum(steady) / len(steady) >= 0.85 * LIMIT, summary

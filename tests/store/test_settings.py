@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 
@@ -147,6 +148,37 @@ def test_flags_reach_the_engine_and_the_password_stays_out_of_logs(
     assert "pw-in-url" not in repr(vars(args)) and "pw-in-url" not in str(vars(args))
     plain = parser.parse_args(["--output-rate-store", redis_server.url, "--model", "m"])
     assert repr(plain.output_rate_store) == repr(redis_server.url)  # found: recursed
+
+
+def test_store_flag_combines_with_store_settings_in_additional_config(
+    parser, tiny_model_path: str, redis_server
+) -> None:
+    """An operator gives the URL as a flag and the tuning in the section."""
+    section = {"store_timeout_s": 1.0, "store_key_prefix": "tuned"}
+    _, config = engine_config(
+        parser,
+        tiny_model_path,
+        FLAG, "10",
+        "--output-rate-store", redis_server.url,
+        "--additional-config", json.dumps({"output_rate": section}),
+    )  # fmt: skip
+    settings = OutputRateSettings.from_additional_config(config.additional_config)
+    assert settings is not None and settings.store is not None
+    assert settings.store.url == redis_server.url
+    assert (settings.store.timeout_s, settings.store.key_prefix) == (1.0, "tuned")
+    # Without the flag the section's store settings still need a URL.
+    args = parser.parse_args(
+        [
+            "--model",
+            "m",
+            FLAG,
+            "1",
+            "--additional-config",
+            json.dumps({"output_rate": section}),
+        ]
+    )
+    with pytest.raises(OutputRateConfigError, match="without store_url"):
+        AsyncEngineArgs.from_cli_args(args)
 
 
 def test_store_flags_without_limits_or_url_are_refused(parser) -> None:

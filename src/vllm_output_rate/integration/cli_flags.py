@@ -11,6 +11,7 @@ from vllm_output_rate.config import (
     API_KEYS_FLAG,
     CAPACITY_FLAG,
     DEFAULT_FLAG,
+    DEFAULT_KEY,
     DEFAULT_METRICS_RECENT_USERS,
     FILE_FLAG,
     FLOORS_FLAG,
@@ -267,7 +268,9 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
             )
         return None
     base = OutputRateSettings.from_additional_config(
-        getattr(args, "additional_config", None)
+        _section_with_flags(
+            getattr(args, "additional_config", None), default_rate, store_url
+        )
     )
     store = None
     if base is not None:
@@ -323,6 +326,27 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
             base.metrics_users, base.metrics_recent_users
         )
     return settings.with_metrics_labels(metrics_users, metrics_recent)
+
+
+def _section_with_flags(
+    additional_config: dict[str, Any] | None,
+    default_rate: object,
+    store_url: str | None,
+) -> dict[str, Any] | None:
+    """``additional_config`` with the default and store URL flags in its
+    section, so that a section holding only part of the settings (store
+    tuning such as ``store_timeout_s``, per-user limits) combines with the
+    flags instead of being refused for lacking them. Flags win here as they
+    do everywhere."""
+    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if not isinstance(section, dict):
+        return additional_config
+    section = dict(section)
+    if default_rate is not None:
+        section[DEFAULT_KEY] = default_rate
+    if store_url is not None:
+        section[STORE_URL_KEY] = str.__str__(store_url)
+    return {**(additional_config or {}), ADDITIONAL_CONFIG_KEY: section}
 
 
 def check_api_keys_option(args: argparse.Namespace, limiting: bool) -> None:
