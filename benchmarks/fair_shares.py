@@ -42,12 +42,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +151,37 @@ def engine_figures(
         user: {
             "tok_s": tokens[user] / span_s,
             "share": tokens[user] / total if total else None,
+            "longest_gap_s": longest_gap_s(dispatched.get(user, ()), start_ns, end_ns),
         }
         for user in users
     }
+
+
+def longest_gap_s(times_ns: Iterable[int], start_ns: int, end_ns: int) -> float:
+    """The longest time within ``[start_ns, end_ns]`` in which the engine
+    dispatched none of a user's tokens (window edges included): a user that
+    got nothing for seconds is told apart from one served slowly."""
+    inside = sorted(t for t in times_ns if start_ns <= t <= end_ns)
+    edges = [start_ns, *inside, end_ns]
+    return max(b - a for a, b in itertools.pairwise(edges)) / NS_PER_S
+
+
+def request_timeline(records: list[Any], user: str) -> list[dict[str, Any]]:
+    """A user's requests as the client saw them (seconds since the load's
+    start): when each was sent, its first token, its end and its tokens.
+    Beside the engine's gaps, it tells a request that reached the engine
+    late (sent, no first token for seconds, no dispatch) from one the
+    scheduler held."""
+    return [
+        {
+            "sent_s": r.start_s,
+            "first_token_s": r.first_token_s,
+            "end_s": r.end_s,
+            "tokens": r.tokens,
+        }
+        for r in sorted(records, key=lambda r: r.start_s)
+        if r.user == user
+    ]
 
 
 def _run_load(
@@ -177,6 +207,9 @@ def _run_load(
     started_ns = time.monotonic_ns()
     result = run_load_sync(spec)
     figures = window_figures(result.records, list(streams), seconds)
+    # The second user (light, floored, even-b) is the one whose share is
+    # judged: keep its requests for a post-mortem of a missed round.
+    figures["timeline"] = request_timeline(result.records, list(streams)[1])
     if dispatch_log is not None:
         time.sleep(1.5)  # the log is written a second behind the engine
         figures["engine"] = engine_figures(

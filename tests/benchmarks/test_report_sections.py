@@ -234,7 +234,12 @@ def test_ours_is_judged_at_the_engine_where_its_dispatch_log_was_read() -> None:
         "light": [start + i for i in range(200)] + [start + 3 * NS_PER_S],
     }
     engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
-    assert engine["many"] == {"tok_s": 100.0, "share": pytest.approx(1 / 3)}
+    assert engine["many"] == {
+        "tok_s": 100.0,
+        "share": pytest.approx(1 / 3),
+        # dispatched in the window's first 100 ns, then nothing
+        "longest_gap_s": pytest.approx(1.0, abs=1e-6),
+    }
     assert engine["light"]["share"] == pytest.approx(2 / 3)
     results = fair_results(0.3, 0.99)  # the client saw light 0.3: missed
     runs = results["servers"]["runs"]
@@ -244,3 +249,29 @@ def test_ours_is_judged_at_the_engine_where_its_dispatch_log_was_read() -> None:
     results["servers"]["summary"] = summarize(runs)
     assert next(met for *_, met in fair_shares.summary_rows(results)) is True
     assert "| 100 | 0.333 |" in fair_shares.table(results)
+
+
+def test_longest_gap_counts_the_window_edges() -> None:
+    from benchmarks.fair_shares import NS_PER_S, longest_gap_s
+
+    s = NS_PER_S
+    # Dispatches at 1, 1.5 and 2 s in [0, 10] s: the longest gap is the
+    # 8 s after the last one (the user got nothing more).
+    assert longest_gap_s([2 * s, s, 3 * s // 2], 0, 10 * s) == 8.0
+    assert longest_gap_s([], 0, 10 * s) == 10.0
+    # Dispatches outside the window do not close a gap inside it.
+    assert longest_gap_s([11 * s, 4 * s], 0, 10 * s) == 6.0
+
+
+def test_request_timeline_lists_one_users_requests_in_sending_order() -> None:
+    from benchmarks.fair_shares import request_timeline
+    from vllm_output_rate.loadtest.summary import RequestRecord
+
+    later = RequestRecord(user="light", stream=0, start_s=16.0)
+    first = RequestRecord(user="light", stream=1, start_s=0.1, end_s=16.0)
+    first.add_chunk(0.4, 3)
+    other = RequestRecord(user="many", stream=0, start_s=0.0)
+    assert request_timeline([later, other, first], "light") == [
+        {"sent_s": 0.1, "first_token_s": 0.4, "end_s": 16.0, "tokens": 3},
+        {"sent_s": 16.0, "first_token_s": None, "end_s": None, "tokens": 0},
+    ]
