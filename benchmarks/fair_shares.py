@@ -184,6 +184,13 @@ def request_timeline(records: list[Any], user: str) -> list[dict[str, Any]]:
     ]
 
 
+def judged_user(streams: dict[str, int]) -> str | None:
+    """The user whose share a scenario judges: the second (light, floored,
+    even-b). The one-user warm-up load judges nobody."""
+    users = list(streams)
+    return users[1] if len(users) > 1 else None
+
+
 def _run_load(
     url: str,
     model: str,
@@ -207,9 +214,9 @@ def _run_load(
     started_ns = time.monotonic_ns()
     result = run_load_sync(spec)
     figures = window_figures(result.records, list(streams), seconds)
-    # The second user (light, floored, even-b) is the one whose share is
-    # judged: keep its requests for a post-mortem of a missed round.
-    figures["timeline"] = request_timeline(result.records, list(streams)[1])
+    judged = judged_user(streams)
+    if judged is not None:  # keep its requests for a post-mortem of a miss
+        figures["timeline"] = request_timeline(result.records, judged)
     if dispatch_log is not None:
         time.sleep(1.5)  # the log is written a second behind the engine
         figures["engine"] = engine_figures(

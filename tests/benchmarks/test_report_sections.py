@@ -275,3 +275,11 @@ def test_request_timeline_lists_one_users_requests_in_sending_order() -> None:
         {"sent_s": 0.1, "first_token_s": 0.4, "end_s": 16.0, "tokens": 3},
         {"sent_s": 16.0, "first_token_s": None, "end_s": None, "tokens": 0},
     ]
+
+
+def test_judged_user_is_each_scenarios_second_user_and_nobody_in_the_warm_up() -> None:
+    from benchmarks.fair_shares import SCENARIOS, judged_user
+
+    assert judged_user({"heavy": 16, "light": 2}) == "light"
+    assert judged_user({"warm-up": 2}) is None
+    assert all(judged_user(streams) is not None for streams in SCENARIOS.values())
