@@ -55,6 +55,7 @@ from typing import Any
 
 from benchmarks.progress import log
 from harness.bounds import S as NS_PER_S
+from harness.shares import served_window
 
 WEIGHTS = {"light": 2.0, "hog": 20.0}
 FLOORS = {"floored": 60.0}
@@ -139,15 +140,22 @@ def window_figures(records: list[Any], users: list[str], end_s: float) -> dict:
 def engine_figures(
     dispatched: dict[str, list[int]], users: list[str], start_ns: int, end_ns: int
 ) -> dict[str, Any]:
-    """Per-user tokens/s and share at the engine (its dispatch log) over
-    ``[start_ns, end_ns]``."""
-    span_s = (end_ns - start_ns) / NS_PER_S
+    """Per-user tokens/s and share at the engine (its dispatch log) over the
+    part of ``[start_ns, end_ns]`` in which every user was served
+    (``harness.shares.served_window``): light's 3,500-token requests can end
+    at the engine seconds before the client sees their last token and sends
+    the next, and light is not owed a share while it has nothing to run (the
+    14:34 run: both ended 17.7 s into the load, 2 tokens in each of their
+    3,505 steps, and its share over the whole window read 0.55). Each user's
+    longest gap is over the whole window."""
+    begin_ns, judged_end_ns = served_window(dispatched, users, start_ns, end_ns, 0)
+    span_s = max(judged_end_ns - begin_ns, 1) / NS_PER_S
     tokens = {
-        user: sum(start_ns <= t <= end_ns for t in dispatched.get(user, ()))
+        user: sum(begin_ns <= t <= judged_end_ns for t in dispatched.get(user, ()))
         for user in users
     }
     total = sum(tokens.values())
-    return {
+    figures: dict[str, Any] = {
         user: {
             "tok_s": tokens[user] / span_s,
             "share": tokens[user] / total if total else None,
@@ -155,6 +163,8 @@ def engine_figures(
         }
         for user in users
     }
+    figures["window_s"] = span_s
+    return figures
 
 
 def longest_gap_s(times_ns: Iterable[int], start_ns: int, end_ns: int) -> float:

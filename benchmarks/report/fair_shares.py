@@ -156,20 +156,22 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         "| scenario | server | round | user | tok/s | share | TTFT p50 / p95 ms "
         "| requests with a token | total tok/s | failed requests "
-        "| engine tok/s | engine share |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine tok/s | engine share | engine window s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in srv["runs"]:
         for user in SCENARIOS[run["scenario"]]:
             f = run[user]
-            engine = run.get("engine", {}).get(user, {})
+            engine_run = run.get("engine", {})
+            engine = engine_run.get(user, {})
             lines.append(
                 f"| {run['scenario']} | {run['server']} | {run['round'] + 1} "
                 f"| {user} | {fmt(f['tok_s'], 0)} | {fmt(f['share'], 3)} "
                 f"| {fmt(f['ttft_p50_ms'], 0)} / {fmt(f['ttft_p95_ms'], 0)} "
                 f"| {f['requests']} | {fmt(run['total_tok_s'], 0)} "
                 f"| {run.get('failed', 0)} "
-                f"| {fmt(engine.get('tok_s'), 0)} | {fmt(engine.get('share'), 3)} |"
+                f"| {fmt(engine.get('tok_s'), 0)} | {fmt(engine.get('share'), 3)} "
+                f"| {fmt(engine_run.get('window_s'), 1)} |"
             )
     lines += [
         "",

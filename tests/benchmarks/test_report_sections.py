@@ -228,19 +228,24 @@ def test_ours_is_judged_at_the_engine_where_its_dispatch_log_was_read() -> None:
     from benchmarks.fair_shares import NS_PER_S, engine_figures, summarize
     from benchmarks.report import fair_shares
 
-    start = 10 * NS_PER_S
+    start, ms = 10 * NS_PER_S, NS_PER_S // 1000
     dispatched = {
-        "many": [start + i for i in range(100)] + [start - 5],  # one before
-        "light": [start + i for i in range(200)] + [start + 3 * NS_PER_S],
+        # every 10 ms through the 1 s window, and one before it
+        "many": [start + k * 10 * ms for k in range(101)] + [start - 5],
+        # every 5 ms until its requests end at 0.5 s (and one after the window)
+        "light": [start + k * 5 * ms for k in range(101)] + [start + 3 * NS_PER_S],
     }
     engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
+    # Judged only while both were served: the first 0.5 s.
+    assert engine["window_s"] == pytest.approx(0.5)
     assert engine["many"] == {
-        "tok_s": 100.0,
-        "share": pytest.approx(1 / 3),
-        # dispatched in the window's first 100 ns, then nothing
-        "longest_gap_s": pytest.approx(1.0, abs=1e-6),
+        "tok_s": pytest.approx(102),  # 51 tokens in 0.5 s
+        "share": pytest.approx(51 / 152),
+        "longest_gap_s": pytest.approx(0.01),
     }
-    assert engine["light"]["share"] == pytest.approx(2 / 3)
+    assert engine["light"]["share"] == pytest.approx(101 / 152)
+    # ... but light's gap is over the whole window: nothing after 0.5 s.
+    assert engine["light"]["longest_gap_s"] == pytest.approx(0.5)
     results = fair_results(0.3, 0.99)  # the client saw light 0.3: missed
     runs = results["servers"]["runs"]
     ours = next(r for r in runs if r["server"] == "ours")
@@ -248,7 +253,36 @@ def test_ours_is_judged_at_the_engine_where_its_dispatch_log_was_read() -> None:
     ours["engine"] = engine  # the engine gave light 2 : 1: met
     results["servers"]["summary"] = summarize(runs)
     assert next(met for *_, met in fair_shares.summary_rows(results)) is True
-    assert "| 100 | 0.333 |" in fair_shares.table(results)
+    assert "| 102 | 0.336 |" in fair_shares.table(results)
+
+
+def test_a_user_the_engine_never_served_is_judged_over_the_whole_window() -> None:
+    from benchmarks.fair_shares import NS_PER_S, engine_figures
+
+    start = 10 * NS_PER_S
+    dispatched = {"many": [start + k for k in range(100)]}
+    engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
+    assert engine["window_s"] == pytest.approx(1.0)
+    assert engine["light"]["share"] == 0.0
+    assert engine["light"]["longest_gap_s"] == pytest.approx(1.0)
+
+
+def test_served_window_runs_from_the_last_first_dispatch_to_the_first_last() -> None:
+    from harness.bounds import S
+    from harness.shares import served_window
+
+    dispatched = {"a": [1 * S, 2 * S, 9 * S], "b": [3 * S, 5 * S, 12 * S]}
+    # b starts at 3 s (+1 s settling); a's last token is at 9 s.
+    assert served_window(dispatched, ["a", "b"], 0, 20 * S) == (4 * S, 9 * S)
+    assert served_window(dispatched, ["a", "b"], 0, 20 * S, settle_ns=0) == (
+        3 * S,
+        9 * S,
+    )
+    # Only dispatches inside [start, end] count: b's 12 s is outside.
+    assert served_window(dispatched, ["a", "b"], 0, 10 * S, 0) == (3 * S, 5 * S)
+    # Never served together: an empty window, for the caller to refuse.
+    begin, end = served_window({"a": [S], "b": [5 * S]}, ["a", "b"], 0, 9 * S, 0)
+    assert begin > end
 
 
 def test_longest_gap_counts_the_window_edges() -> None:

@@ -30,6 +30,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from harness.bounds import S
+from harness.shares import served_window
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.scheduling.dispatch_log import ENV as DISPATCH_LOG_ENV
 from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
@@ -101,11 +102,10 @@ def share(dispatched: dict[str, list[int]], users: list[str], start: int, end: i
     """Tokens per user from 1 s after every user was served until ``end``."""
     times = {u: [t for t in dispatched.get(u, []) if start <= t <= end] for u in users}
     assert all(times.values()), {u: len(t) for u, t in times.items()}
-    begin = max(t[0] for t in times.values()) + S
     # Only while every user is served: in CI a 12 s scenario lasted minutes
     # (the client's loop stalled, not the engine), long enough for light's
     # requests to end, and after that many had the engine alone.
-    end = min([end, *(t[-1] for t in times.values())])
+    begin, end = served_window(times, users, start, end)
     assert end - begin >= 4 * S, (end - begin) / S  # a window worth judging
     counts = {u: sum(begin <= t <= end for t in ts) for u, ts in times.items()}
     return Share(counts, (end - begin) / S)
