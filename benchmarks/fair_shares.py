@@ -149,6 +149,8 @@ def engine_figures(
     3,505 steps, and its share over the whole window read 0.55). Each user's
     longest gap is over the whole window."""
     begin_ns, judged_end_ns = served_window(dispatched, users, start_ns, end_ns, 0)
+    if judged_end_ns <= begin_ns:  # never served together: judge it all
+        begin_ns, judged_end_ns = start_ns, end_ns
     span_s = max(judged_end_ns - begin_ns, 1) / NS_PER_S
     tokens = {
         user: sum(begin_ns <= t <= judged_end_ns for t in dispatched.get(user, ()))
@@ -315,6 +317,14 @@ def judged(run: dict[str, Any], user: str) -> dict[str, Any]:
     return run["engine"][user] if "engine" in run else run[user]
 
 
+def median_known(values: Iterable[float | None]) -> float | None:
+    """The median of the values known. A share is None in a round where
+    nobody got a token in the window (the 14:52 run: a server's front end
+    that delivered nothing for 15 s); None if no round has one."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per scenario and server: medians over rounds of the second user's
     share (and tok/s), as judged, and of ours / stock total tok/s at the
@@ -342,7 +352,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             ),
             **{
                 server: {
-                    "share": statistics.median(
+                    "share": median_known(
                         judged(r, second)["share"] for r in rows[server]
                     ),
                     "tok_s": statistics.median(

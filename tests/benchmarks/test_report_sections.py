@@ -267,6 +267,27 @@ def test_a_user_the_engine_never_served_is_judged_over_the_whole_window() -> Non
     assert engine["light"]["longest_gap_s"] == pytest.approx(1.0)
 
 
+def test_users_never_served_together_are_judged_over_the_whole_window() -> None:
+    from benchmarks.fair_shares import NS_PER_S, engine_figures
+
+    start = 10 * NS_PER_S
+    # many got the first half, light the second: no window with both.
+    dispatched = {
+        "many": [start + k for k in range(100)],
+        "light": [start + NS_PER_S // 2 + k for k in range(50)],
+    }
+    engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
+    assert engine["window_s"] == pytest.approx(1.0)
+    assert engine["light"]["share"] == pytest.approx(1 / 3)
+
+
+def test_a_round_in_which_nobody_got_a_token_does_not_stop_the_summary() -> None:
+    from benchmarks.fair_shares import median_known
+
+    assert median_known([0.5, None, 0.7]) == pytest.approx(0.6)
+    assert median_known([None, None]) is None
+
+
 def test_served_window_runs_from_the_last_first_dispatch_to_the_first_last() -> None:
     from harness.bounds import S
     from harness.shares import served_window
