@@ -338,3 +338,10 @@ def test_judged_user_is_each_scenarios_second_user_and_nobody_in_the_warm_up() -
     assert judged_user({"heavy": 16, "light": 2}) == "light"
     assert judged_user({"warm-up": 2}) is None
     assert all(judged_user(streams) is not None for streams in SCENARIOS.values())
+
+
+def test_the_judged_users_streams_open_first() -> None:
+    from benchmarks.fair_shares import opening_order
+
+    assert opening_order({"hog": 32, "floored": 2}) == ["floored", "hog"]
+    assert opening_order({"warm-up": 2}) == ["warm-up"]
