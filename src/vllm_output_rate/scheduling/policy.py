@@ -49,8 +49,10 @@ KV-connector and LoRA engines ask of the hold-back and of admission is in
 ``engine_modes.py``.
 
 Over 400 lines because it is the one place that holds a step's decisions and
-state; every rule that can stand alone (budgets, demand, ordering, engine
-modes, speculative accounts, statistics) is in its own module.
+state; every rule that can stand alone (budgets, demand, ordering, fair
+shares, residency and KV room, engine modes, speculative accounts,
+statistics) is in its own module, and what operators read and change of the
+policy is in ``operator_view.py``.
 """
 
 from __future__ import annotations
@@ -59,27 +61,20 @@ import logging
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.budget import Budget
-from vllm_output_rate.config import (
-    DEFAULT_KEY,
-    FLOORS_KEY,
-    USERS_KEY,
-    WEIGHTS_KEY,
-    OutputRateSettings,
-    check_floors,
-    parse_limits_update,
-)
+from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.identity import user_or_anonymous
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.scheduling import kv_room
 from vllm_output_rate.scheduling.demand import (
     LAST_SERVED_ATTR,
     TURN_START_ATTR,
@@ -95,6 +90,7 @@ from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.fair_share import TURN_STEPS, FairShare
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
+from vllm_output_rate.scheduling.operator_view import OperatorView
 from vllm_output_rate.scheduling.ordering import (
     SharedSlots,
     rotate_within_groups,
@@ -102,11 +98,10 @@ from vllm_output_rate.scheduling.ordering import (
 )
 from vllm_output_rate.scheduling.residency import Residency, StepSlots
 from vllm_output_rate.scheduling.speculative import SpeculativeLedger, num_drafts
-from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
+from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import (
     inflight_prefills,
-    kv_watermark_blocks,
     num_free_kv_blocks,
     preempt,
 )
@@ -121,8 +116,6 @@ if TYPE_CHECKING:
 MAX_IDLE_WAIT_S = 0.050
 # Forget idle users' limiter state this often (in steps).
 CLEANUP_EVERY_STEPS = 256
-# The metrics label of the default limit.
-DEFAULT_LABEL = "__default__"
 # Longest gap between steps counted in the step interval (an idle engine
 # does not step at all).
 MAX_STEP_INTERVAL_NS = 1_000_000_000
@@ -130,7 +123,7 @@ MAX_STEP_INTERVAL_NS = 1_000_000_000
 NOTHING: Mapping[str, int] = MappingProxyType({})
 
 
-class OutputRatePolicy:
+class OutputRatePolicy(OperatorView):
     def __init__(
         self,
         settings: OutputRateSettings,
@@ -455,11 +448,11 @@ class OutputRatePolicy:
         host = self._host
         priority = host.policy == SchedulingPolicy.PRIORITY
         claimants = len(slots.wanted)
-        kv_tight = num_free_kv_blocks(host) < self._blocks_bound(claimants)
+        kv_tight = num_free_kv_blocks(host) < kv_room.blocks_bound(host, claimants)
         heads: dict[str, Request] = {}
         if kv_tight or (priority and slots.free < slots.outstanding):
-            heads = self._claimant_heads(slots.wanted)
-        required = self._blocks_needed(heads.values(), slots) if kv_tight else 0
+            heads = kv_room.claimant_heads(host.waiting, slots.wanted)
+        required = kv_room.blocks_needed(host, heads.values()) if kv_tight else 0
         victims = self.residency.reclaim(
             slots,
             host.running,
@@ -478,44 +471,6 @@ class OutputRatePolicy:
     def _preempt(self, request: Request) -> None:
         self.residency.preempting(request)
         preempt(self._host, request)
-
-    def _blocks_bound(self, claimants: int) -> int:
-        """Free KV blocks above which no claimant's admission can fail."""
-        host = self._host
-        per_request = self._blocks_for(host.max_model_len)
-        return claimants * per_request + self._kv_margin()
-
-    def _kv_margin(self) -> int:
-        # The running requests decoding in this step may each start a new
-        # block; on average one in block_size does. The watermark stays free.
-        running = len(self._host.running)
-        return kv_watermark_blocks(self._host) + running // self._host.block_size + 1
-
-    def _claimant_heads(self, wanted: Mapping[str, int]) -> dict[str, Request]:
-        """Each claimant's first waiting request, in vLLM's queue order."""
-        heads: dict[str, Request] = {}
-        claimants = {user for user, n in wanted.items() if n}
-        for request in self._host.waiting:
-            user = user_of(request)
-            if user in claimants and user not in heads:
-                heads[user] = request
-                if len(heads) == len(claimants):
-                    break
-        return heads
-
-    def _blocks_needed(self, heads: Iterable[Request], slots: StepSlots) -> int:
-        """KV blocks the claimants' admissions need free in this step: the
-        whole prompt if vLLM checks that it fits (its default), else one
-        step's chunk; plus the running requests' margin."""
-        host = self._host
-        budget = host.max_num_scheduled_tokens
-        needed = self._kv_margin()
-        for request in heads:
-            tokens = request.num_tokens - request.num_computed_tokens
-            if not host.scheduler_reserve_full_isl:
-                tokens = min(tokens, budget)
-            needed += self._blocks_for(tokens)
-        return needed
 
     # ----- the running list ------------------------------------------------
 
@@ -852,101 +807,11 @@ class OutputRatePolicy:
         return not (
             self.modes.may_only_run_by_sampling(request)
             or request.status == RequestStatus.PREEMPTED
-            or self._blocks_for(request.num_tokens) > num_free_kv_blocks(self._host)
+            or kv_room.blocks_for(self._host, request.num_tokens)
+            > num_free_kv_blocks(self._host)
         )
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self._host.block_size)
-
-    # ----- for the engine loop, operators and observers -------------------
-
-    def limits(self) -> dict[str, Any]:
-        if self.leases is not None:
-            self.leases.apply_pending()  # an idle engine takes no steps
-        limiter = self.limiter
-        fair = self.fair
-        return {
-            DEFAULT_KEY: limiter.default_rate,
-            USERS_KEY: limiter.user_rates,
-            WEIGHTS_KEY: dict(fair.weights),
-            FLOORS_KEY: dict(fair.floors),
-        }
-
-    def update_limits(self, payload: object) -> dict[str, Any]:
-        """Apply an admin change from the next step on; all or nothing."""
-        update = parse_limits_update(payload)
-        limiter, fair = self.limiter, self.fair
-        removed = set(update.remove_users)
-        floors = {u: f for u, f in fair.floors.items() if u not in removed}
-        floors.update(update.user_floors)
-        default = update.default_rate or limiter.default_rate
-
-        def ceiling_of(user: str) -> float:
-            if user in update.user_rates:
-                return update.user_rates[user]
-            if user in removed:
-                return default
-            rate = limiter.user_rates.get(user)
-            return default if rate is None else rate
-
-        check_floors(floors, ceiling_of, self.settings.engine_capacity, FLOORS_KEY)
-        limiter.update_rates(
-            default_rate=update.default_rate,
-            user_rates=update.user_rates,
-            remove_users=update.remove_users,
-        )
-        fair.update(update.user_weights, update.user_floors, update.remove_users)
-        self._kept = None
-        self._logger.info("Output rate limits changed: %s", self.limits_summary())
-        return self.limits()
-
-    def limits_summary(self) -> str:
-        """The limits for a log line: the table itself only while it is short
-        (a million users would make a 25 MB line)."""
-        rates = self.limiter.user_rates
-        users = rates if len(rates) <= 10 else f"{len(rates):,} users"
-        return f"default {self.limiter.default_rate:g} tok/s, per user {users}"
-
-    def metrics_snapshot(self) -> dict[str, Any]:
-        """Per-label counters and each label's limit (bounded in size)."""
-        labels = self.stats.snapshot()
-        limiter = self.limiter
-        limits = {DEFAULT_LABEL: limiter.default_rate}
-        for label in labels:
-            if label != OTHER_USERS:
-                limits[label] = limiter.rate_of(label)
-        fair = self.fair
-        shares = {
-            label: fair.snapshot(label) for label in labels if label != OTHER_USERS
-        }
-        return self._with_store(
-            {"labels": labels, "limits": limits, "fair_shares": shares}
-        )
-
-    def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
-        """One page of every user on record, with its limit (see
-        ``OutputRateStats.users_page``)."""
-        now_ns = self.limiter.now_ns()
-        users, cursor, total = self.stats.users_page(now_ns, limit, after)
-        for user, view in users.items():
-            view["limit"] = self.limiter.rate_of(user)
-            view.update(self.fair.snapshot(user))
-        return self._with_store(
-            {
-                "time_s": now_ns / 1e9,
-                "default_limit": self.limiter.default_rate,
-                "users": users,
-                "next": cursor,
-                "total": total,
-            }
-        )
-
-    def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
-        """``snapshot`` plus the shared store's state, when there is one."""
-        if self.leases is not None:
-            self.leases.apply_pending()  # an idle engine takes no steps
-            snapshot["store"] = self.leases.store_snapshot()
-        return snapshot
+    # ----- for the engine loop ------------------------------------------
 
     def idle_wait_s(self) -> float:
         """How long the engine may wait for input before the next step.

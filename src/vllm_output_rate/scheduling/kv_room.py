@@ -1,0 +1,67 @@
+"""KV blocks a step must find free for the users with budget to be admitted.
+
+Rule 1 of ``residency.py`` preempts throttled residents for claimants when
+KV space is tight; these functions say how tight is tight, from vLLM's own
+numbers (block size, watermark, ``--max-model-len``, whether admission
+checks the whole prompt). They read the scheduler only through
+``seams.SchedulerHost``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from vllm_output_rate.scheduling.demand import user_of
+from vllm_output_rate.seams import kv_watermark_blocks
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from vllm_output_rate.seams import SchedulerHost
+
+
+def blocks_for(host: SchedulerHost, num_tokens: int) -> int:
+    """KV blocks that ``num_tokens`` tokens take."""
+    return -(-num_tokens // host.block_size)
+
+
+def margin(host: SchedulerHost) -> int:
+    """Blocks to keep free beside any admission: the running requests
+    decoding in this step may each start a new block (on average one in
+    block_size does), and vLLM's watermark stays free."""
+    return kv_watermark_blocks(host) + len(host.running) // host.block_size + 1
+
+
+def blocks_bound(host: SchedulerHost, claimants: int) -> int:
+    """Free KV blocks above which no claimant's admission can fail."""
+    return claimants * blocks_for(host, host.max_model_len) + margin(host)
+
+
+def blocks_needed(host: SchedulerHost, heads: Iterable[Request]) -> int:
+    """KV blocks the claimants' admissions need free in this step: the whole
+    prompt if vLLM checks that it fits (its default), else one step's chunk;
+    plus the running requests' margin."""
+    budget = host.max_num_scheduled_tokens
+    needed = margin(host)
+    for request in heads:
+        tokens = request.num_tokens - request.num_computed_tokens
+        if not host.scheduler_reserve_full_isl:
+            tokens = min(tokens, budget)
+        needed += blocks_for(host, tokens)
+    return needed
+
+
+def claimant_heads(
+    waiting: Iterable[Request], wanted: Mapping[str, int]
+) -> dict[str, Request]:
+    """Each claimant's first waiting request, in vLLM's queue order."""
+    heads: dict[str, Request] = {}
+    claimants = {user for user, n in wanted.items() if n}
+    for request in waiting:
+        user = user_of(request)
+        if user in claimants and user not in heads:
+            heads[user] = request
+            if len(heads) == len(claimants):
+                break
+    return heads

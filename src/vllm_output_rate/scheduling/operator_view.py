@@ -1,0 +1,131 @@
+"""What operators and observers read and change of a policy (no vLLM import).
+
+The admin endpoint, the metrics collector, ``top`` and the shared store's
+refresher go through these methods, over the engine's RPC: the limits in
+force, an all-or-nothing change of them, and bounded snapshots of the
+per-user counters. ``OutputRatePolicy`` (``policy.py``) inherits them; they
+read the policy's limiter, fair shares, statistics and leases, and a change
+drops the kept batch (``kept_batch.py``), whose ranking it may alter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_output_rate.budget import Budget
+from vllm_output_rate.config import (
+    DEFAULT_KEY,
+    FLOORS_KEY,
+    USERS_KEY,
+    WEIGHTS_KEY,
+    OutputRateSettings,
+    check_floors,
+    parse_limits_update,
+)
+from vllm_output_rate.scheduling.fair_share import FairShare
+from vllm_output_rate.scheduling.kept_batch import KeptBatch
+from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
+from vllm_output_rate.store.leases import LeasedLimiter
+
+# The metrics label of the default limit.
+DEFAULT_LABEL = "__default__"
+
+
+class OperatorView:
+    # Set by OutputRatePolicy.
+    settings: OutputRateSettings
+    limiter: Budget
+    leases: LeasedLimiter | None
+    fair: FairShare
+    stats: OutputRateStats
+    _kept: KeptBatch | None
+    _logger: logging.Logger
+
+    def limits(self) -> dict[str, Any]:
+        if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
+        limiter = self.limiter
+        fair = self.fair
+        return {
+            DEFAULT_KEY: limiter.default_rate,
+            USERS_KEY: limiter.user_rates,
+            WEIGHTS_KEY: dict(fair.weights),
+            FLOORS_KEY: dict(fair.floors),
+        }
+
+    def update_limits(self, payload: object) -> dict[str, Any]:
+        """Apply an admin change from the next step on; all or nothing."""
+        update = parse_limits_update(payload)
+        limiter, fair = self.limiter, self.fair
+        removed = set(update.remove_users)
+        floors = {u: f for u, f in fair.floors.items() if u not in removed}
+        floors.update(update.user_floors)
+        default = update.default_rate or limiter.default_rate
+
+        def ceiling_of(user: str) -> float:
+            if user in update.user_rates:
+                return update.user_rates[user]
+            if user in removed:
+                return default
+            rate = limiter.user_rates.get(user)
+            return default if rate is None else rate
+
+        check_floors(floors, ceiling_of, self.settings.engine_capacity, FLOORS_KEY)
+        limiter.update_rates(
+            default_rate=update.default_rate,
+            user_rates=update.user_rates,
+            remove_users=update.remove_users,
+        )
+        fair.update(update.user_weights, update.user_floors, update.remove_users)
+        self._kept = None
+        self._logger.info("Output rate limits changed: %s", self.limits_summary())
+        return self.limits()
+
+    def limits_summary(self) -> str:
+        """The limits for a log line: the table itself only while it is short
+        (a million users would make a 25 MB line)."""
+        rates = self.limiter.user_rates
+        users = rates if len(rates) <= 10 else f"{len(rates):,} users"
+        return f"default {self.limiter.default_rate:g} tok/s, per user {users}"
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Per-label counters and each label's limit (bounded in size)."""
+        labels = self.stats.snapshot()
+        limiter = self.limiter
+        limits = {DEFAULT_LABEL: limiter.default_rate}
+        for label in labels:
+            if label != OTHER_USERS:
+                limits[label] = limiter.rate_of(label)
+        fair = self.fair
+        shares = {
+            label: fair.snapshot(label) for label in labels if label != OTHER_USERS
+        }
+        return self._with_store(
+            {"labels": labels, "limits": limits, "fair_shares": shares}
+        )
+
+    def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
+        """One page of every user on record, with its limit (see
+        ``OutputRateStats.users_page``)."""
+        now_ns = self.limiter.now_ns()
+        users, cursor, total = self.stats.users_page(now_ns, limit, after)
+        for user, view in users.items():
+            view["limit"] = self.limiter.rate_of(user)
+            view.update(self.fair.snapshot(user))
+        return self._with_store(
+            {
+                "time_s": now_ns / 1e9,
+                "default_limit": self.limiter.default_rate,
+                "users": users,
+                "next": cursor,
+                "total": total,
+            }
+        )
+
+    def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """``snapshot`` plus the shared store's state, when there is one."""
+        if self.leases is not None:
+            self.leases.apply_pending()  # an idle engine takes no steps
+            snapshot["store"] = self.leases.store_snapshot()
+        return snapshot
