@@ -14,13 +14,12 @@ Two views of the same counts:
   over any label stay right.
 
 Updates cost O(users served in the step), not O(tokens), and the per-user
-part runs in C (``map``/``Counter``). A step that serves exactly what the
-previous one served (steady decoding) costs O(labels): it repeats that
-step's per-label update with one new gap, and the per-user counts of such
-repeated steps are added up only when the pattern changes or when someone
-reads them. A step that serves the same users with other counts
-(speculative decoding: accepted drafts differ from step to step) keeps the
-previous step's labels and gaps and costs two plain loops over the users.
+part runs in C (``map``/``Counter``). Steps that serve the same users as the
+previous one are summed and written into the counters only when the users
+change or someone reads them (``_LastStep``): one that serves exactly what
+the previous one served (steady decoding) costs O(1), one with other counts
+(speculative decoding: accepted drafts differ from step to step) a few
+C-level passes over the users.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add, mul
 from typing import Any
 
 from vllm_output_rate.config import ANONYMOUS_USER
@@ -164,67 +165,102 @@ class MetricLabels:
 
 @dataclass
 class _LastStep:
-    """The latest step's tokens per user, and what they added per label.
+    """The latest step's users, and what the steps since the first one with
+    exactly these users added that is not written into the counters yet.
 
-    Its users' dispatch time is kept here rather than per user: a next step
-    that serves exactly the same counts adds the same per label, with one gap
-    (from this step to that one) per user. ``unfolded`` counts the steps
-    with these counts not yet added to the users' records.
+    Such steps (steady decoding; speculative decoding, whose accepted drafts
+    change the counts) give every one of these users one gap, the same for
+    all of them, and tokens that differ only in number: a step adds its gap
+    to a histogram of steps and, if its counts differ from the latest's, its
+    counts to a per-user list, both in C. ``fold`` writes it all into the
+    label and user counters, when the users change or someone reads them.
+    Every user has at least one token in every step (``record_step`` drops
+    zero counts), so a label's gaps of 0 (tokens of the same step) are its
+    tokens less one per user and step.
     """
 
-    served: dict[str, int]
-    time_ns: int
-    per_label: list[tuple[LabelStats, int, int]]  # (stats, users, tokens)
-    label_index: dict[str, int]  # user -> its label's place in per_label
-    unfolded: int = 1
-
-    def count_tokens(self) -> None:
-        """Add the step's tokens to each label's counters."""
-        for stats, users, tokens in self.per_label:
-            stats.tokens_admitted += tokens
-            if tokens > users:
-                # Tokens of the same step: gaps of 0, in the first bucket
-                # (Histogram.observe inlined: this runs for every label in
-                # every step).
-                gaps = stats.gaps
-                gaps.buckets[0] += tokens - users
-                gaps.count += tokens - users
+    served: dict[str, int]  # the latest step's tokens per user
+    time_ns: int  # the latest step's time
+    users: list[str]  # served's users, in the order of the lists below
+    labels: list[LabelStats]  # the distinct labels of these users
+    label_users: list[int]  # users per label
+    # Each user's place in ``labels``; None: one label per user, in order.
+    label_of_user: list[int] | None
+    # Not written yet: tokens per user, besides ``repeats`` times ``served``.
+    user_tokens: list[int]
+    repeats: int = 1
+    steps: int = 1  # steps whose tokens are pending
+    gap_steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps
+    gap_sum_ns: int = 0
 
     def repeat(self, now_ns: int) -> None:
-        """The same tokens again at ``now_ns``: one gap per user since then."""
-        self._observe_gaps(now_ns)
-        self.count_tokens()
-        self.time_ns = now_ns
-        self.unfolded += 1
+        """The latest step's counts again, at ``now_ns``: O(1)."""
+        self._gap(now_ns)
+        self.repeats += 1
 
     def again(self, now_ns: int, served: Mapping[str, int]) -> None:
-        """The same users with other counts at ``now_ns`` (speculative
-        decoding: each step's accepted drafts differ); the caller folded
-        this step's counts into the users' records first."""
-        self._observe_gaps(now_ns)
-        tokens = [0] * len(self.per_label)
-        index = self.label_index
-        for user, count in served.items():
-            tokens[index[user]] += count
-        self.per_label = [
-            (stats, users, count)
-            for (stats, users, _), count in zip(self.per_label, tokens, strict=True)
-        ]
-        self.count_tokens()
+        """The same users with other counts, at ``now_ns``: C-level passes."""
+        self._gap(now_ns)
+        latest = self._counts_of(self.served)
+        if self.repeats != 1:
+            latest = list(map(mul, latest, repeat(self.repeats)))
+        self.user_tokens = list(map(add, self.user_tokens, latest))
         self.served = dict(served)
-        self.time_ns = now_ns
-        self.unfolded = 1
+        self.repeats = 1
 
-    def _observe_gaps(self, now_ns: int) -> None:
-        """One gap since the latest step per user (Histogram.observe inlined:
-        every label's gap falls in the same bucket)."""
+    def _counts_of(self, served: Mapping[str, int]) -> list[int]:
+        return list(map(served.__getitem__, self.users))
+
+    def _gap(self, now_ns: int) -> None:
         gap_ns = now_ns - self.time_ns
         bucket = bisect.bisect_left(_GAP_BUCKETS_NS, gap_ns)
-        for stats, users, _ in self.per_label:
+        self.gap_steps[bucket] = self.gap_steps.get(bucket, 0) + 1
+        self.gap_sum_ns += gap_ns
+        self.steps += 1
+        self.time_ns = now_ns
+
+    def fold(self, records: dict[str, UserStats]) -> bool:
+        """Write what is pending into the label counters and the users'
+        ``records``; returns whether a record was created."""
+        if not self.steps:
+            return False
+        latest = self._counts_of(self.served)
+        if self.repeats:
+            latest = list(map(mul, latest, repeat(self.repeats)))
+        tokens = list(map(add, self.user_tokens, latest))
+        created = False
+        now_ns = self.time_ns
+        for user, count in zip(self.users, tokens, strict=True):
+            record = records.get(user)
+            if record is None:
+                record = records[user] = UserStats(now_ns, now_ns)
+                created = True
+            record.tokens_admitted += count
+            record.last_active_ns = now_ns
+        index = self.label_of_user
+        if index is None:
+            label_tokens = tokens
+        else:
+            label_tokens = [0] * len(self.labels)
+            for place, count in zip(index, tokens, strict=True):
+                label_tokens[place] += count
+        steps, gap_steps, gap_sum_ns = self.steps, self.gap_steps, self.gap_sum_ns
+        gap_count = sum(gap_steps.values())
+        for stats, users, count in zip(
+            self.labels, self.label_users, label_tokens, strict=True
+        ):
+            stats.tokens_admitted += count
             gaps = stats.gaps
-            gaps.buckets[bucket] += users
-            gaps.sum_ns += gap_ns * users
-            gaps.count += users
+            same_step = count - users * steps
+            gaps.buckets[0] += same_step
+            gaps.count += same_step + users * gap_count
+            for bucket, times in gap_steps.items():
+                gaps.buckets[bucket] += users * times
+            gaps.sum_ns += users * gap_sum_ns
+        self.user_tokens = [0] * len(self.users)
+        self.repeats = self.steps = self.gap_sum_ns = 0
+        self.gap_steps = {}
+        return created
 
 
 class OutputRateStats:
@@ -287,15 +323,16 @@ class OutputRateStats:
     ) -> None:
         """One scheduler step: tokens dispatched, refunds and skipped requests."""
         if served:
+            if 0 in served.values():  # no token, no gap (an aborted request)
+                served = {user: count for user, count in served.items() if count}
             last = self._last_step
             # last.served is a plain dict: with Counters on both sides, ==
             # would run Counter's Python-level loop.
             if last is not None and last.served == served:
                 last.repeat(now_ns)
             elif last is not None and last.served.keys() == served.keys():
-                self._fold_last_step()
                 last.again(now_ns, served)
-            else:
+            elif served:
                 self._record_served(now_ns, served)
         for user, count in refunded.items():
             self._stats(self.label_of(user)).refunds += count
@@ -344,34 +381,25 @@ class OutputRateStats:
             if last is not None:
                 self._stats(label).gaps.observe(now_ns - last, users)
         users_per_label = Counter(labels)
-        tokens_per_label = users_per_label
-        if sum(served.values()) != len(served):  # someone got several tokens
-            tokens_per_label = Counter()
-            for label, count in zip(labels, served.values(), strict=True):
-                tokens_per_label[label] += count
-        per_label = [
-            (self._stats(label), users_per_label[label], tokens)
-            for label, tokens in tokens_per_label.items()
-        ]
-        place = {label: i for i, label in enumerate(tokens_per_label)}
-        index = dict(zip(served, map(place.__getitem__, labels), strict=True))
-        self._last_step = _LastStep(dict(served), now_ns, per_label, index)
-        self._last_step.count_tokens()
+        place = {label: i for i, label in enumerate(users_per_label)}
+        self._last_step = _LastStep(
+            served=dict(served),
+            time_ns=now_ns,
+            users=list(served),
+            labels=list(map(self._stats, users_per_label)),
+            label_users=list(users_per_label.values()),
+            label_of_user=(
+                None
+                if len(place) == len(served)
+                else list(map(place.__getitem__, labels))
+            ),
+            user_tokens=[0] * len(served),
+        )
 
     def _fold_last_step(self) -> None:
-        """Add the latest step's repeated counts to its users' records."""
-        last = self._last_step
-        if last is None or not last.unfolded:
-            return
-        users, times, now_ns = self._users, last.unfolded, last.time_ns
-        for user, count in last.served.items():
-            record = users.get(user)
-            if record is None:
-                record = users[user] = UserStats(now_ns, now_ns)
-                self._sorted_names = None
-            record.tokens_admitted += count * times
-            record.last_active_ns = now_ns
-        last.unfolded = 0
+        """Write the latest steps' pending counts (see ``_LastStep``)."""
+        if self._last_step is not None and self._last_step.fold(self._users):
+            self._sorted_names = None
 
     def _close_last_step(self) -> None:
         """Write the latest step's counts and dispatch time per user."""
@@ -427,6 +455,7 @@ class OutputRateStats:
 
     def snapshot(self) -> dict[str, Any]:
         """Per label, for the metrics (at most the bound of MetricLabels)."""
+        self._fold_last_step()
         return {label: s.snapshot() for label, s in self._labels.items()}
 
     def users_page(
