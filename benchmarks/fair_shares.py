@@ -21,7 +21,7 @@ front end's, not the scheduler's); stock has no dispatch log and is shown
 at the client. Figures per scenario and server, from the load tool's own
 records (the client's token counts) over the window from ``WARM_S`` after
 the start to the load's end: each user's tokens/s and share, TTFT p50/p95 of its
-streams (3,500-token requests, so TTFT is mostly how long a stream that
+streams (4,000-token requests, so TTFT is mostly how long a stream that
 opens on a full engine waits for its first token), and the total tokens/s;
 ours / stock total in the same round. The servers' throughput on this
 2-core machine swings with vLLM's HTTP front end (BENCHMARKS.md's note on
@@ -81,15 +81,19 @@ SCENARIOS: dict[str, dict[str, int]] = {
 }
 # The share each scenario's second user should get on ours (None: a floor).
 EXPECTED_SHARE = {"weights": 2 / 3, "equal": 1 / 2, "floor": None}
-# Long requests: every user stays backlogged (a user whose streams wait on
-# the client between requests is not owed the share it leaves unused; with
-# 100-token requests light's two streams idled on HTTP round trips long
-# enough to cap it near a fifth of the engine). Light's requests can end
-# within a load, and its streams then send the next one at once; every
+# Requests longer than a load: every user stays backlogged (a user whose
+# streams wait on the client between requests is not owed the share it
+# leaves unused; with 100-token requests light's two streams idled on HTTP
+# round trips long enough to cap it near a fifth of the engine, and with
+# 3,500-token ones in 20 s loads light's requests ended at the engine and
+# the next reached it seconds later: 0.587 in the 15:42 run's first round,
+# 0.664 in its second). A stream gets at most one token a step, and steps
+# run at about 200 a second here (250 would be fast), so 4,000 tokens (what
+# --max-model-len 4096 leaves beside the prompt) outlast a 16 s load; every
 # request still running is cut when the load ends (request_timeout_s).
-MAX_TOKENS = 3500
+MAX_TOKENS = 4000
 WARM_S = 5.0
-FULL_S, QUICK_S = 20.0, 10.0
+FULL_S, QUICK_S = 16.0, 10.0
 FULL_ROUNDS, QUICK_ROUNDS = 2, 1
 
 
@@ -142,7 +146,7 @@ def engine_figures(
 ) -> dict[str, Any]:
     """Per-user tokens/s and share at the engine (its dispatch log) over the
     part of ``[start_ns, end_ns]`` in which every user was served
-    (``harness.shares.served_window``): light's 3,500-token requests can end
+    (``harness.shares.served_window``): light's requests can end
     at the engine seconds before the client sees their last token and sends
     the next, and light is not owed a share while it has nothing to run (the
     14:34 run: both ended 17.7 s into the load, 2 tokens in each of their
