@@ -8,7 +8,8 @@ throughput benchmark installs this module in its engine processes through a
 ``Scheduler.schedule`` (vLLM's own work) and, once the engine core has built
 its scheduler, that instance's ``schedule`` (the whole call, ours included),
 ``update_from_output`` and the engine core's whole step, and writes the
-running totals to a JSON file every ``WRITE_EVERY`` steps.
+running totals to a JSON file every ``WRITE_EVERY`` steps and when the
+scheduler shuts down.
 """
 
 from __future__ import annotations
@@ -74,13 +75,16 @@ def install(path: str) -> None:
         totals["engine_step_ns"] += elapsed_ns
         totals["engine_steps"] += 1
 
+    def write() -> None:
+        with open(path + ".tmp", "w") as out:
+            json.dump(totals, out)
+        os.replace(path + ".tmp", path)
+
     def add_schedule(elapsed_ns: int) -> None:
         totals["schedule_ns"] += elapsed_ns
         totals["steps"] += 1
         if totals["steps"] % WRITE_EVERY == 0:
-            with open(path + ".tmp", "w") as out:
-                json.dump(totals, out)
-            os.replace(path + ".tmp", path)
+            write()
 
     Scheduler.schedule = _timed(Scheduler.schedule, adder("vllm_schedule_ns"))
     engine_init = EngineCore.__init__
@@ -96,6 +100,15 @@ def install(path: str) -> None:
         # The whole engine-core step: schedule, the model (run by the
         # worker process, waited for here) and update_from_output.
         self.step_fn = _timed(self.step_fn, add_engine_step)
+        # The last steps too (step counts are compared between engines).
+        shutdown = scheduler.shutdown
+
+        @functools.wraps(shutdown)
+        def shutdown_and_write() -> None:
+            write()
+            shutdown()
+
+        scheduler.shutdown = shutdown_and_write
 
     EngineCore.__init__ = init
 

@@ -204,15 +204,28 @@ def _step_timing(e: dict[str, Any]) -> list[str]:
     stock, ours = timing.get("stock"), timing.get("ours")
     if not stock or not ours:
         return ["(The engines' step timing was not recorded.)", ""]
+    return [
+        *step_timing_lines(stock, ours),
+        "The scheduler benchmark below runs steps back to back with warm "
+        "caches; inside an engine, which waits for the model between steps, "
+        "the same code costs more (cold caches).",
+        "",
+    ]
+
+
+def step_timing_lines(stock: dict[str, float], ours: dict[str, float]) -> list[str]:
+    """The engines' step timing (``benchmarks.step_timing``), as a table and
+    what ours' ``schedule()`` adds per step."""
     added = ours["schedule_us"] - ours["vllm_schedule_us"]
     total = ours["schedule_us"] - stock["schedule_us"]
     return [
         "Inside the engine cores (a benchmark-only hook, "
         "`benchmarks/step_timing.py`, times both engines alike over the whole "
-        f"benchmark, {ours['steps']:,} steps each), in µs per step:",
+        "benchmark), in µs per step:",
         "",
         "| | stock | ours |",
         "|---|---:|---:|",
+        f"| steps | {stock['steps']:,} | {ours['steps']:,} |",
         f"| `schedule()` | {stock['schedule_us']:.1f} | {ours['schedule_us']:.1f} |",
         f"| of which vLLM's own `Scheduler.schedule` "
         f"| {stock['vllm_schedule_us']:.1f} | {ours['vllm_schedule_us']:.1f} |",
@@ -224,10 +237,16 @@ def _step_timing(e: dict[str, Any]) -> list[str]:
         f"Ours' `schedule()` takes **{total:.1f} µs more per step** than "
         f"stock's, {total / stock['engine_step_us']:.1%} of stock's engine "
         f"step: {added:.1f} µs in the plugin's own code, the rest inside "
-        "vLLM's own `schedule()` running under ours. This is the cost this "
-        "section is after, measured without the run-to-run noise of the "
-        "throughput ratio. The scheduler benchmark below runs steps "
-        "back to back with warm caches; inside an engine, which waits for the "
-        "model between steps, the same code costs more (cold caches).",
+        "vLLM's own `schedule()` running under ours. This is the scheduler's "
+        "cost measured without the run-to-run noise of the throughput ratio.",
         "",
     ]
+
+
+def engine_time_ratio(stock: dict[str, float], ours: dict[str, float]) -> float:
+    """Stock's engine-core busy time over ours' for the same work (both
+    engines ran the same generates): the throughput ratio the engine cores
+    alone would give, without the time either spent waiting for input."""
+    return (stock["steps"] * stock["engine_step_us"]) / (
+        ours["steps"] * ours["engine_step_us"]
+    )

@@ -139,6 +139,55 @@ def test_the_stats_endpoint_pages_through_every_user(server, tiny_model_path) ->
     assert {"page-a", "page-b", "page-c"} <= set(seen)
 
 
+def test_the_limits_endpoint_pages_and_a_page_goes_back_unchanged(server) -> None:
+    limits_url = server + "/v1/output_rate/limits"
+    added = {f"lim-{i}": 100 + i for i in range(5)}
+    body = {"user_output_tokens_per_second": added}
+    # A bad page is refused before anything is applied.
+    for query in ("limit=0", "limit=x", "after=", "page=2"):
+        refused = httpx.put(f"{limits_url}?{query}", json=body, headers=ADMIN)
+        assert refused.status_code == 400, (query, refused.text)
+        refused = httpx.get(f"{limits_url}?{query}", headers=ADMIN)
+        assert refused.status_code == 400, (query, refused.text)
+    assert (
+        "lim-0"
+        not in httpx.get(limits_url, headers=ADMIN).json()[
+            "user_output_tokens_per_second"
+        ]
+    )
+    changed = httpx.put(f"{limits_url}?limit=2", json=body, headers=ADMIN)
+    assert changed.status_code == 200, changed.text
+    try:
+        whole = httpx.get(limits_url, headers=ADMIN).json()
+        total = 2 + len(added)  # user-a and user-b from the command line
+        assert changed.headers["x-total-count"] == str(total)
+        assert len(changed.json()["user_output_tokens_per_second"]) == 2
+        pages, url = [], f"{limits_url}?limit=2"
+        while url:
+            response = httpx.get(url, headers=ADMIN)
+            assert response.status_code == 200, response.text
+            assert response.headers["x-total-count"] == str(total)
+            pages.append(response.json())
+            next_page = response.links.get("next")
+            url = server + next_page["url"] if next_page else ""
+        assert len(pages) == 4  # 7 users, 2 a page
+        rates = [p["user_output_tokens_per_second"] for p in pages]
+        assert [u for r in rates for u in r] == sorted(
+            whole["user_output_tokens_per_second"]
+        )
+        assert {u: v for r in rates for u, v in r.items()} == whole[
+            "user_output_tokens_per_second"
+        ]
+        # A page read is a valid body: putting it back changes nothing.
+        again = httpx.put(limits_url, json=pages[1], headers=ADMIN)
+        assert again.status_code == 200, again.text
+        assert httpx.get(limits_url, headers=ADMIN).json() == whole
+    finally:
+        httpx.put(limits_url, json={"remove_users": list(added)}, headers=ADMIN)
+    left = httpx.get(limits_url, headers=ADMIN)
+    assert left.headers["x-total-count"] == "2" and "link" not in left.headers
+
+
 def test_lowering_a_rate_mid_stream_takes_effect(server, tiny_model_path) -> None:
     limits_url = server + "/v1/output_rate/limits"
 

@@ -533,9 +533,8 @@ def test_a_live_rate_change_applies_from_the_next_step(limited) -> None:
     for _ in range(100):
         h.step(10 * MS)
     changed_at = h.clock.now_ns
-    limits = h.scheduler.output_rate.update_limits(
-        {"user_output_tokens_per_second": {"a": 5}}
-    )
+    h.scheduler.output_rate.update_limits({"user_output_tokens_per_second": {"a": 5}})
+    limits = h.scheduler.output_rate.limits()
     assert limits["user_output_tokens_per_second"] == {"a": 5}
     for _ in range(400):
         h.step(10 * MS)
@@ -549,6 +548,59 @@ def test_a_live_rate_change_applies_from_the_next_step(limited) -> None:
             {"user_output_tokens_per_second": {"b": -2}}
         )
     assert h.scheduler.output_rate.limits()["user_output_tokens_per_second"] == {"a": 5}
+
+
+def test_the_limits_page_through_every_user_with_a_setting_of_its_own(
+    limited,
+) -> None:
+    h = limited(50)
+    policy = h.scheduler.output_rate
+    policy.update_limits(
+        {
+            "user_output_tokens_per_second": {f"u{i:02}": i + 1 for i in range(7)},
+            "user_output_weight": {"w-only": 3, "u03": 2},
+            "user_min_output_tokens_per_second": {"f-only": 1},
+        }
+    )
+    pages, after = [], None
+    while True:
+        page = policy.limits_page(3, after)
+        assert page["total"] == 9
+        pages.append(page["limits"])
+        after = page["next"]
+        if after is None:
+            break
+    assert len(pages) == 3  # 9 users, 3 a page, no empty last page
+    names = [
+        sorted(
+            {
+                *p["user_output_tokens_per_second"],
+                *p["user_output_weight"],
+                *p["user_min_output_tokens_per_second"],
+            }
+        )
+        for p in pages
+    ]
+    assert names == [
+        ["f-only", "u00", "u01"],
+        ["u02", "u03", "u04"],
+        ["u05", "u06", "w-only"],
+    ]
+    whole = policy.limits()
+    for key in (
+        "user_output_tokens_per_second",
+        "user_output_weight",
+        "user_min_output_tokens_per_second",
+    ):
+        merged = {u: v for p in pages for u, v in p[key].items()}
+        assert merged == whole[key]
+    assert all(p["default_user_output_tokens_per_second"] == 50 for p in pages)
+    # A page is a valid change, and putting it back changes nothing.
+    policy.update_limits(pages[1])
+    assert policy.limits() == whole
+    past_the_end = policy.limits_page(3, "zzz")
+    assert past_the_end["next"] is None and past_the_end["total"] == 9
+    assert past_the_end["limits"]["user_output_tokens_per_second"] == {}
 
 
 def test_statistics_keep_label_cardinality_bounded(

@@ -21,7 +21,10 @@ def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
     if op == "users":
         return policy.users_snapshot(payload["limit"], payload.get("after"))
     if op == "limits":
-        return policy.limits()
+        return policy.limits_page(payload["limit"], payload.get("after"))
     if op == "update":
-        return policy.update_limits(payload)
+        # The change, then the first page of the limits now in force.
+        policy.update_limits(payload["body"])
+        page = payload["page"]
+        return policy.limits_page(page["limit"], page.get("after"))
     raise ValueError(f"unknown operation {op!r}")

@@ -13,9 +13,12 @@ since that variable then filters general plugins too, enable both:
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
-  The stats route pages through every user on record in name order:
-  ``?limit=N`` (1 to 10,000, default 1,000) and ``?after=NAME`` (the
-  previous page's ``next``).
+  Both GET routes page through users in name order: ``?limit=N`` (1 to
+  10,000, default 1,000) and ``?after=NAME``. Stats: every user on record,
+  the next page's ``after`` in the body's ``next``. Limits: the users with a
+  limit, weight or floor of their own; the body stays a limits document, so
+  the next page is in the ``Link`` header and the count in ``X-Total-Count``
+  (a PUT answers the first page, or the one its query names).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import os
 from argparse import Namespace
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -129,7 +133,11 @@ class OutputRateHttpPlugin:
     async def _get_limits(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
             return refusal
-        return JSONResponse(await self._call("limits"))
+        try:
+            page = parse_page(dict(request.query_params))
+        except OutputRateConfigError as exc:
+            return _error(400, str(exc))
+        return _limits_response(request, page, await self._call("limits", page))
 
     async def _get_stats(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
@@ -144,15 +152,30 @@ class OutputRateHttpPlugin:
         if refusal := await self._guard(request):
             return refusal
         try:
+            page = parse_page(dict(request.query_params))
             payload = await request.json()
             parse_limits_update(payload)  # refuse bad input before the engine
         except (ValueError, OutputRateConfigError) as exc:
             return _error(400, str(exc))
-        return JSONResponse(await self._call("update", payload))
+        answer = await self._call("update", {"body": payload, "page": page})
+        return _limits_response(request, page, answer)
+
+
+def _limits_response(
+    request: Request, page: dict[str, Any], answer: dict[str, Any]
+) -> JSONResponse:
+    """A page of limits: the body stays a limits document (a valid PUT
+    body), so where the next page starts and how many users have limits of
+    their own go in headers (RFC 8288's ``Link``, ``X-Total-Count``)."""
+    headers = {"X-Total-Count": str(answer["total"])}
+    if answer["next"] is not None:
+        query = urlencode({"limit": page["limit"], "after": answer["next"]})
+        headers["Link"] = f'<{request.url.path}?{query}>; rel="next"'
+    return JSONResponse(answer["limits"], headers=headers)
 
 
 def parse_page(query: dict[str, str]) -> dict[str, Any]:
-    """``limit`` and ``after`` of a stats page, validated."""
+    """``limit`` and ``after`` of a stats or limits page, validated."""
     unknown = set(query) - {"limit", "after"}
     if unknown:
         raise OutputRateConfigError(

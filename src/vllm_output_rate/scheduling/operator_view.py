@@ -10,6 +10,7 @@ drops the kept batch (``kept_batch.py``), whose ranking it may alter.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Any
 
@@ -43,18 +44,37 @@ class OperatorView:
     _logger: logging.Logger
 
     def limits(self) -> dict[str, Any]:
+        """Every limit, weight and floor in force (a limits document)."""
+        document: dict[str, Any] = self.limits_page(None)["limits"]
+        return document
+
+    def limits_page(
+        self, limit: int | None, after: str | None = None
+    ) -> dict[str, Any]:
+        """The limits document of up to ``limit`` users (all: None) with a
+        limit, weight or floor of their own, in name order after the name
+        ``after``; with the cursor of the next page (None at the end) and
+        the number of such users. A page is a valid body for a change."""
         if self.leases is not None:
             self.leases.apply_pending()  # an idle engine takes no steps
-        limiter = self.limiter
-        fair = self.fair
+        limiter, fair = self.limiter, self.fair
+        rates, weights, floors = limiter.user_rates, fair.weights, fair.floors
+        names = sorted(rates.keys() | weights.keys() | floors.keys())
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        end = len(names) if limit is None else start + limit
+        page = names[start:end]
         return {
-            DEFAULT_KEY: limiter.default_rate,
-            USERS_KEY: limiter.user_rates,
-            WEIGHTS_KEY: dict(fair.weights),
-            FLOORS_KEY: dict(fair.floors),
+            "limits": {
+                DEFAULT_KEY: limiter.default_rate,
+                USERS_KEY: {u: rates[u] for u in page if u in rates},
+                WEIGHTS_KEY: {u: weights[u] for u in page if u in weights},
+                FLOORS_KEY: {u: floors[u] for u in page if u in floors},
+            },
+            "next": page[-1] if page and end < len(names) else None,
+            "total": len(names),
         }
 
-    def update_limits(self, payload: object) -> dict[str, Any]:
+    def update_limits(self, payload: object) -> None:
         """Apply an admin change from the next step on; all or nothing."""
         update = parse_limits_update(payload)
         limiter, fair = self.limiter, self.fair
@@ -80,7 +100,6 @@ class OperatorView:
         fair.update(update.user_weights, update.user_floors, update.remove_users)
         self._kept = None
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
-        return self.limits()
 
     def limits_summary(self) -> str:
         """The limits for a log line: the table itself only while it is short
