@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -361,8 +360,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         pairs = list(zip(rows["stock"], rows["ours"], strict=True))
         summary[scenario] = {
             "user": second,
-            "throughput_ratio": statistics.median(
-                o["total_tok_s"] / s["total_tok_s"] if s["total_tok_s"] else math.inf
+            # Rounds in which stock's server delivered nothing in the window
+            # (its HTTP slow state) have no ratio.
+            "throughput_ratio": median_known(
+                o["total_tok_s"] / s["total_tok_s"] if s["total_tok_s"] else None
                 for s, o in pairs
             ),
             **{

@@ -208,10 +208,9 @@ def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     assert "| steps | 1,000 | 1,010 |" in text
     assert "takes **50.0 µs more per step**" in text
     assert "ours ran +1.0% steps" in text and "of +2.5% cost each" in text
-    assert (
-        "for the same work, the throughput ratio without the rounds' noise: **0.966**"
-        in text
-    )
+    assert "summed over every step of both engines): **0.966**" in text
+    busy = "0.990 [0.98-1.00]; engine cores' busy time, stock / ours: 0.966"
+    assert fair_shares.summary_rows(fair_results(2 / 3, 0.99))[-1][2] == busy
 
 
 def test_a_failed_request_on_ours_fails_its_verdict_and_shows() -> None:
@@ -227,6 +226,21 @@ def test_a_failed_request_on_ours_fails_its_verdict_and_shows() -> None:
     results["servers"]["summary"] = summarize(runs)
     assert next(met for *_, met in fair_shares.summary_rows(results)) is False
     assert "| 300 | 1 |" in fair_shares.table(results)
+
+
+def test_a_round_in_which_stock_delivered_nothing_has_no_throughput_ratio() -> None:
+    from benchmarks.fair_shares import summarize
+    from benchmarks.report import fair_shares
+
+    results = fair_results(2 / 3, 0.99)
+    runs = results["servers"]["runs"]
+    for run in runs:
+        if run["server"] == "stock" and run["scenario"] == "equal":
+            run["total_tok_s"] = 0.0  # its front end's slow state
+    results["servers"]["summary"] = summary = summarize(runs)
+    assert summary["equal"]["throughput_ratio"] is None
+    assert summary["weights"]["throughput_ratio"] == 1.0
+    assert "| met | - |" in fair_shares.table(results)
 
 
 def test_window_figures_count_tokens_inside_the_window_and_every_ttft() -> None:
