@@ -176,6 +176,19 @@ def _engine_time(engine: dict[str, Any]) -> list[str]:
     ratio = engine_time_ratio(stock, ours)
     extra_steps = ours["steps"] / stock["steps"] - 1
     step_cost = ours["engine_step_us"] / stock["engine_step_us"] - 1
+    worker = ""
+    if "worker_execute_us" in stock and "worker_execute_us" in ours:
+        extra = {
+            key: ours[f"worker_{key}_us"] - stock[f"worker_{key}_us"]
+            for key in ("execute", "update_states", "forward")
+        }
+        worker = (
+            f" The model worker's side of a step took {extra['execute']:+.0f} µs "
+            f"({extra['update_states']:+.0f} µs in the batch's update for the "
+            "requests that enter and leave it as turns pass, "
+            f"{extra['forward']:+.0f} µs in forward passes of batches of the "
+            "same sizes)."
+        )
     return [
         *step_timing_lines(stock, ours),
         f"For the same tokens ours ran {extra_steps:+.1%} steps (the end of "
@@ -184,7 +197,7 @@ def _engine_time(engine: dict[str, Any]) -> list[str]:
         f"leave the last ones at different points) of {step_cost:+.1%} cost "
         "each. Stock's engine-core busy time over ours' for the same work "
         "(the throughput ratio of the engine cores alone, summed over every "
-        f"step of both engines): **{ratio:.3f}**.",
+        f"step of both engines): **{ratio:.3f}**.{worker}",
     ]
 
 

@@ -233,6 +233,7 @@ def step_timing_lines(stock: dict[str, float], ours: dict[str, float]) -> list[s
         f"| {ours['update_us']:.1f} |",
         f"| whole engine-core step (with the model, run by the worker) "
         f"| {stock['engine_step_us']:.1f} | {ours['engine_step_us']:.1f} |",
+        *_worker_rows(stock, ours),
         "",
         f"Ours' `schedule()` takes **{total:.1f} µs more per step** than "
         f"stock's, {total / stock['engine_step_us']:.1%} of stock's engine "
@@ -240,6 +241,19 @@ def step_timing_lines(stock: dict[str, float], ours: dict[str, float]) -> list[s
         "vLLM's own `schedule()` running under ours. This is the scheduler's "
         "cost measured without the run-to-run noise of the throughput ratio.",
         "",
+    ]
+
+
+def _worker_rows(stock: dict[str, float], ours: dict[str, float]) -> list[str]:
+    rows = [
+        ("worker_execute_us", "the model worker's `execute_model`"),
+        ("worker_update_states_us", "of which the batch's update (`_update_states`)"),
+        ("worker_forward_us", "of which the model's forward pass"),
+    ]
+    return [
+        f"| {name} | {stock[key]:.1f} | {ours[key]:.1f} |"
+        for key, name in rows
+        if key in stock and key in ours
     ]
 
 

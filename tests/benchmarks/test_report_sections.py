@@ -158,6 +158,9 @@ def step_timing(steps: int, schedule_us: float, step_us: float) -> dict[str, Any
         "vllm_schedule_us": 90.0,
         "update_us": 50.0,
         "engine_step_us": step_us,
+        "worker_execute_us": step_us - schedule_us - 100.0,
+        "worker_update_states_us": schedule_us / 5,
+        "worker_forward_us": 1000.0,
     }
 
 
@@ -209,6 +212,8 @@ def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     assert "takes **50.0 µs more per step**" in text
     assert "ours ran +1.0% steps" in text and "of +2.5% cost each" in text
     assert "summed over every step of both engines): **0.966**" in text
+    assert "| of which the batch's update (`_update_states`) | 20.0 | 30.0 |" in text
+    assert "The model worker's side of a step took +0 µs (+10 µs in" in text
     busy = "0.990 [0.98-1.00]; engine cores' busy time, stock / ours: 0.966"
     assert fair_shares.summary_rows(fair_results(2 / 3, 0.99))[-1][2] == busy
 
