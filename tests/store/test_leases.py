@@ -173,6 +173,10 @@ def test_a_store_that_dies_and_returns(tmp_path) -> None:
         for engine in engines:
             assert engine.limiter.degraded
             assert engine.limiter.counters.fallbacks == 1
+            # Shared users waited from the first failed round until the
+            # fallback, a lease period after the last answer; not after.
+            assert engine.limiter.failing_seconds() == pytest.approx(1.0, abs=0.15)
+        failing = [engine.limiter.failing_seconds() for engine in engines]
         # After the leases ran out (1 s), each engine at half the limit.
         half = delivered(engines, "u", down + 1_500 * MS, clock.now_ns)
         for count in half:
@@ -182,6 +186,7 @@ def test_a_store_that_dies_and_returns(tmp_path) -> None:
         run(engines, clock, 4)
         for engine in engines:
             assert not engine.limiter.degraded
+        assert [engine.limiter.failing_seconds() for engine in engines] == failing
         a, b = delivered(engines, "u", back + 2 * NS_PER_SECOND, clock.now_ns)
         assert a + b == pytest.approx(60 * 2, abs=4)
         assert a / b == pytest.approx(3, rel=0.1)
@@ -329,6 +334,7 @@ def test_lost_answers_pause_a_shared_user_and_keep_the_bound(
     assert not engines[0].limiter.degraded
     paused = delivered(engines, "u", lost + 150 * MS, clock.now_ns)[0]
     assert paused == 0
+    assert engines[0].limiter.failing_seconds() == pytest.approx(seconds, abs=0.15)
     # An unshared lease is renewed every half lease: it lasts at least 1 s.
     alone = delivered(engines, "only-a", lost, clock.now_ns)[0]
     assert alone >= 0.95 * 40 * min(seconds, 1.0), alone

@@ -166,6 +166,12 @@ def store_metrics(store: dict[str, Any]) -> Iterator[Any]:
     }
     for key, doc in counters.items():
         yield CounterMetricFamily(PREFIX + "store_" + key, doc, value=store[key])
+    yield CounterMetricFamily(
+        PREFIX + "store_failing_seconds",
+        "Seconds shared and new users waited because store rounds failed "
+        "(from a failed round to the next answer or to the fallback)",
+        value=store["failing_s"],
+    )
     yield SummaryMetricFamily(
         PREFIX + "store_round_trip_seconds",
         "Time of a successful store round trip, seen from the engine",

@@ -162,6 +162,9 @@ class StoreCounters:
     returns: int = 0  # leases lowered or given back
     rtt_sum_s: float = 0.0
     rtt_max_s: float = 0.0
+    # Seconds from a failed round to the next answer (or to the fallback):
+    # the time shared and new users were held back for want of the store.
+    failing_s: float = 0.0
     last_error: str = ""
 
 
@@ -216,6 +219,7 @@ class LeasedLimiter:
         # whole lease period without an answer does the engine fall back.
         self._answered_ns = clock()
         self._failing = False  # rounds are failing, not yet degraded
+        self._failing_since_ns = 0
         self.engines_seen = max(1, engines_hint)
         self.counters = StoreCounters()
         self._started = False
@@ -499,7 +503,7 @@ class LeasedLimiter:
             return
         counters.exchanges += 1
         self._answered_ns = max(self._answered_ns, round_.sent_ns)
-        self._failing = False
+        self._stop_failing(self._clock())
         counters.asks += len(round_.asks)
         counters.rtt_sum_s += rtt_s
         counters.rtt_max_s = max(counters.rtt_max_s, rtt_s)
@@ -594,6 +598,7 @@ class LeasedLimiter:
             with self._lock:
                 if not self._failing:
                     self._failing = True
+                    self._failing_since_ns = now
                     self._logger.warning(
                         "Output rate store round failed (%s): retrying every "
                         "%g s; users only this engine serves keep their leases "
@@ -611,6 +616,7 @@ class LeasedLimiter:
             return
         with self._lock:
             if not self.degraded:
+                self._stop_failing(now)
                 self.degraded = True
                 self.counters.fallbacks += 1
                 self._logger.warning(
@@ -636,6 +642,11 @@ class LeasedLimiter:
                 rates.setdefault(user, self._fallback_rate(user))
         if rates:
             self.pacer.set_user_rates(rates)
+
+    def _stop_failing(self, now: int) -> None:
+        if self._failing:
+            self._failing = False
+            self.counters.failing_s += (now - self._failing_since_ns) / NS
 
     def _apply_limits(self, default: float, overrides: dict[str, float]) -> None:
         """New configured limits: lowered limits lower leases at once."""
@@ -702,8 +713,15 @@ class LeasedLimiter:
             "returns": counters.returns,
             "rtt_sum_s": counters.rtt_sum_s,
             "rtt_max_s": counters.rtt_max_s,
+            "failing_s": self.failing_seconds(),
             "limits_version": self.limits_version,
         }
+
+    def failing_seconds(self) -> float:
+        """Seconds shared and new users waited on failed rounds so far,
+        the current run of failures included."""
+        ongoing = self._clock() - self._failing_since_ns if self._failing else 0
+        return self.counters.failing_s + ongoing / NS
 
     def lease_rate(self, user: str) -> float | None:
         """This engine's share of ``user``'s limit (None: no lease)."""
