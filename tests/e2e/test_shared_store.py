@@ -22,6 +22,7 @@ import json
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,8 @@ LIMIT = 40.0  # the shared user
 OTHER = 30.0  # users on one server only: "witness-a" on a, "other" on b
 STALL_GAP_S = 0.2  # a gap this long in a 30 tok/s user's tokens: a stall
 ADMIN_KEY = "e2e-admin"
+# u's first requests reaching the engines later than this: a late run.
+LATE_ARRIVAL_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -176,18 +179,55 @@ def flush_wait() -> None:
     time.sleep(1.5)  # the engines flush their dispatch logs every 4096 lines
 
 
-def test_one_users_limit_holds_across_both_servers_split_by_demand(
-    servers, tiny_model_path
-) -> None:
+def first_token_wait_s(url: str, user: str) -> float:
+    """Seconds ``user``'s requests waited in the engine for their first
+    token, summed over all of them (from arrival in the scheduler)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = httpx.get(f"{url}/v1/output_rate/stats", headers=headers).json()
+    return body["users"].get(user, {}).get("first_token_sum_s", 0.0)
+
+
+@dataclass
+class Split:
+    """What one split run delivered in its window."""
+
+    on_a: list[int]
+    on_b: list[int]
+    witness: list[int]  # witness-a's tokens on a
+    other: list[int]  # other's tokens on b
+    seconds: float  # the window's length
+    stall_a: float
+    stall_b: float
+    expected: float  # u's tokens at least (before the 5 % margin)
+    late: bool  # u's requests reached the engines well after the start
+    facts: str
+
+
+def split_run(servers, model: str) -> Split:
+    """One 10 s split run; its window starts 2 s after u's first requests
+    reached both engines and ends at 10 s."""
     (a, b), logs = servers
     failing_before = [store_state(url)["failing_s"] for url in (a, b)]
-    t0, results = load_both(tiny_model_path, a, b, 10)
+    waits_before = [first_token_wait_s(url, "u") for url in (a, b)]
+    t0, results = load_both(model, a, b, 10)
     for result in results:
         assert result is not None and result.ok, result and result.error_summary()
     # The engines' logs flush at exit or every 4096 tokens: read what the
     # servers have written by asking for a snapshot-free wait.
     flush_wait()
-    start, end = t0 + 2 * S, t0 + 10 * S
+    # The latest u's first request can have reached each engine: its first
+    # token there less every first-token wait the engine counted for u. A
+    # hold-up inside the engine (a lease that never came) counts as a wait
+    # and leaves the window where it is.
+    waits = [
+        first_token_wait_s(url, "u") - before
+        for url, before in zip((a, b), waits_before, strict=True)
+    ]
+    firsts = [min(t, default=t0) for t in dispatched(logs, "u", t0, t0 + 20 * S)]
+    arrived = max(
+        first - round(wait * S) for first, wait in zip(firsts, waits, strict=True)
+    )
+    start, end = max(t0, arrived) + 2 * S, t0 + 10 * S
     on_a, on_b = dispatched(logs, "u", start, end)
     witness = dispatched(logs, "witness-a", start, end)[0]
     other = dispatched(logs, "other", start, end)[1]
@@ -201,21 +241,39 @@ def test_one_users_limit_holds_across_both_servers_split_by_demand(
         state["failing_s"] - before
         for state, before in zip(states, failing_before, strict=True)
     )
-    # The limit over 8 s, less each engine's share (3:1) of its own stalls
-    # and of the time it held u back for want of the store.
-    expected = LIMIT * (8 - 0.75 * (stall_a + held_a) - 0.25 * (stall_b + held_b))
-    total = len(on_a) + len(on_b)
+    # The limit over the window, less each engine's share (3:1) of its own
+    # stalls and of the time it held u back for want of the store.
+    seconds = (end - start) / S
+    expected = LIMIT * (seconds - 0.75 * (stall_a + held_a) - 0.25 * (stall_b + held_b))
     facts = (
-        f"u on a {len(on_a)}, on b {len(on_b)}; "
-        f"stalls a {stall_a:.2f} s, b {stall_b:.2f} s; held for the store "
+        f"window {(start - t0) / S:.2f}-{(end - t0) / S:.2f} s; u on a {len(on_a)}, "
+        f"on b {len(on_b)}; first-token waits a {waits[0]:.2f} s, b {waits[1]:.2f} "
+        f"s; stalls a {stall_a:.2f} s, b {stall_b:.2f} s; held for the store "
         f"a {held_a:.2f} s, b {held_b:.2f} s; store: a {states[0]}, "
         f"b {states[1]}\n" + timeline(logs, t0, t0 + 12 * S)
     )
-    assert total >= 0.95 * expected, facts
-    assert len(on_a) / max(1, len(on_b)) == pytest.approx(3, rel=0.25), facts
-    assert_shared_bound(on_a + on_b, facts)
-    for alone, stall in ((witness, stall_a), (other, stall_b)):
-        assert len(alone) >= 0.95 * OTHER * (8 - stall), facts
+    late = arrived - t0 > LATE_ARRIVAL_S * S
+    return Split(
+        on_a, on_b, witness, other, seconds, stall_a, stall_b, expected, late, facts
+    )
+
+
+def test_one_users_limit_holds_across_both_servers_split_by_demand(
+    servers, tiny_model_path
+) -> None:
+    split = split_run(servers, tiny_model_path)
+    if split.late:
+        # u's requests reached the engines late, before the scheduler (a CI
+        # run once saw u's first tokens 7.5 s in and the witnesses' at
+        # once): the window left is short, so the run is repeated once.
+        split = split_run(servers, tiny_model_path)
+    facts = split.facts
+    assert len(split.on_a) + len(split.on_b) >= 0.95 * split.expected, facts
+    ratio = len(split.on_a) / max(1, len(split.on_b))
+    assert ratio == pytest.approx(3, rel=0.25), facts
+    assert_shared_bound(split.on_a + split.on_b, facts)
+    for alone, stall in ((split.witness, split.stall_a), (split.other, split.stall_b)):
+        assert len(alone) >= 0.95 * OTHER * (split.seconds - stall), facts
 
 
 def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
@@ -246,6 +304,7 @@ def test_both_servers_keep_serving_while_the_store_is_down(
 ) -> None:
     (a, b), logs = servers
     marks: dict[str, int] = {}
+    failing: list[float] = []
 
     def outage(t0: int) -> None:
         time.sleep(2)
@@ -254,6 +313,8 @@ def test_both_servers_keep_serving_while_the_store_is_down(
         time.sleep(5)
         store.start()
         marks["up"] = time.monotonic_ns()
+        time.sleep(2)  # the leases' window below starts here
+        failing.extend(store_state(url)["failing_s"] for url in (a, b))
 
     # Per stream: a 10 tok/s with leases, 0 while paused (2 s), 20 / 3 at
     # the fallback share; b 10 with leases, 20 at the fallback share.
@@ -291,7 +352,12 @@ def test_both_servers_keep_serving_while_the_store_is_down(
     seconds = (back[1] - back[0]) / S
     stall_a = stalled_s(dispatched(logs, "witness-a", *back)[0], *back)
     stall_b = stalled_s(dispatched(logs, "other", *back)[1], *back)
-    expected = LIMIT * (seconds - 0.75 * stall_a - 0.25 * stall_b)
+    # Less the time either engine held u back for a failed round since.
+    held_a, held_b = (
+        store_state(url)["failing_s"] - before
+        for url, before in zip((a, b), failing, strict=True)
+    )
+    expected = LIMIT * (seconds - 0.75 * (stall_a + held_a) - 0.25 * (stall_b + held_b))
     assert len(on_a) + len(on_b) >= 0.9 * expected, (len(on_a), len(on_b), facts)
     everything = dispatched(logs, "u", t0, end)
     assert_shared_bound(everything[0] + everything[1], facts)
@@ -302,6 +368,7 @@ def test_when_one_server_dies_the_other_gets_the_whole_limit(
 ) -> None:
     (a, b), logs = servers
     marks: dict[str, int] = {}
+    failing_before = store_state(b)["failing_s"]
 
     def kill_a(t0: int) -> None:
         time.sleep(3)
@@ -332,8 +399,9 @@ def test_when_one_server_dies_the_other_gets_the_whole_limit(
     start, end = marks["dead"] + 3 * S, t0 + 10 * S
     on_b = dispatched(logs, "u", start, end)[1]
     stall = stalled_s(dispatched(logs, "other", start, end)[1], start, end)
-    expected = LIMIT * ((end - start) / S - stall)
-    assert len(on_b) >= 0.95 * expected, (len(on_b), expected, stall)
+    held = store_state(b)["failing_s"] - failing_before  # failed rounds
+    expected = LIMIT * ((end - start) / S - stall - held)
+    assert len(on_b) >= 0.95 * expected, (len(on_b), expected, stall, held)
 
 
 def test_data_parallel_ranks_share_one_budget(
