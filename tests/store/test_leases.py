@@ -372,3 +372,27 @@ def test_an_idle_engines_heartbeats_do_not_pile_up(redis_server, store_prefix):
     assert a.limiter.lease_rate("u") == 10.0
     for engine in (a, b):
         engine.close()
+
+
+def test_a_blip_while_idle_is_no_fallback_when_traffic_returns(
+    redis_server, store_prefix
+):
+    """An idle engine applies its rounds' answers at its next step, minutes
+    later: a failed round is judged by when it was sent, so half a second
+    without the store while idle is a blip, not a lease period of silence."""
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    (a,) = make_engines(redis_server.url, store_prefix, 1, 50.0, clock)
+    a.set_demand("u", 1)
+    run([a], clock, 1)
+    a.set_demand("u", 0)
+    run([a], clock, 1)
+    failing_rounds(a, 5)
+    for _ in range(600):  # a minute idle, its first half second failing
+        clock.advance(100 * MS)
+        a.refresh()
+    a.set_demand("u", 1)
+    run([a], clock, 0.5)
+    counters = a.limiter.counters
+    assert (counters.failures, counters.fallbacks) == (5, 0)
+    assert not a.limiter.degraded and a.limiter.lease_rate("u") == 50.0
+    a.close()

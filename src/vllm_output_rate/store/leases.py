@@ -541,7 +541,7 @@ class LeasedLimiter:
         if exchange is None:
             counters.failures += posted.rounds
             counters.last_error = posted.error
-            self._serve_without_store(posted.error)
+            self._serve_without_store(posted.error, round_.sent_ns)
             return
         counters.exchanges += posted.rounds
         self._answered_ns = max(self._answered_ns, round_.sent_ns)
@@ -623,7 +623,7 @@ class LeasedLimiter:
             )
         counters.returns += len(released)
 
-    def _serve_without_store(self, error: str) -> None:
+    def _serve_without_store(self, error: str, sent_ns: int) -> None:
         """A failed round. For up to one lease period since the last answer
         it is a blip, and the engine keeps within what the store counts for
         it: users without a usable lease wait (the store still counts the
@@ -636,7 +636,11 @@ class LeasedLimiter:
         its fallback share; nobody is blocked."""
         now = self._clock()
         rates: dict[str, float | None] = {}
-        if not self.degraded and now - self._answered_ns < self._lease_ns:
+        # Judged by when the failed round was sent, not by now: an idle
+        # engine applies its rounds only at its next step, and a blip while
+        # it was idle is no reason to fall back when traffic returns.
+        silent_ns = sent_ns - self._answered_ns
+        if not self.degraded and silent_ns < self._lease_ns:
             with self._lock:
                 if not self._failing:
                     self._failing = True
