@@ -162,9 +162,13 @@ def timeline(logs: list[Path], start_ns: int, end_ns: int) -> str:
     return "\n".join(lines)
 
 
-def store_state(url: str) -> dict:
+def stats(url: str) -> dict:
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    return httpx.get(f"{url}/v1/output_rate/stats", headers=headers).json()["store"]
+    return httpx.get(f"{url}/v1/output_rate/stats", headers=headers).json()
+
+
+def store_state(url: str) -> dict:
+    return stats(url)["store"]
 
 
 def assert_shared_bound(times: list[int], facts: str) -> None:
@@ -179,12 +183,10 @@ def flush_wait() -> None:
     time.sleep(1.5)  # the engines flush their dispatch logs every 4096 lines
 
 
-def first_token_wait_s(url: str, user: str) -> float:
+def first_token_wait_s(stats_body: dict, user: str) -> float:
     """Seconds ``user``'s requests waited in the engine for their first
     token, summed over all of them (from arrival in the scheduler)."""
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    body = httpx.get(f"{url}/v1/output_rate/stats", headers=headers).json()
-    return body["users"].get(user, {}).get("first_token_sum_s", 0.0)
+    return stats_body["users"].get(user, {}).get("first_token_sum_s", 0.0)
 
 
 @dataclass
@@ -207,21 +209,21 @@ def split_run(servers, model: str) -> Split:
     """One 10 s split run; its window starts 2 s after u's first requests
     reached both engines and ends at 10 s."""
     (a, b), logs = servers
-    failing_before = [store_state(url)["failing_s"] for url in (a, b)]
-    waits_before = [first_token_wait_s(url, "u") for url in (a, b)]
+    before = [stats(url) for url in (a, b)]
     t0, results = load_both(model, a, b, 10)
     for result in results:
         assert result is not None and result.ok, result and result.error_summary()
     # The engines' logs flush at exit or every 4096 tokens: read what the
     # servers have written by asking for a snapshot-free wait.
     flush_wait()
+    after = [stats(url) for url in (a, b)]
     # The latest u's first request can have reached each engine: its first
     # token there less every first-token wait the engine counted for u. A
     # hold-up inside the engine (a lease that never came) counts as a wait
     # and leaves the window where it is.
     waits = [
-        first_token_wait_s(url, "u") - before
-        for url, before in zip((a, b), waits_before, strict=True)
+        first_token_wait_s(now, "u") - first_token_wait_s(then, "u")
+        for now, then in zip(after, before, strict=True)
     ]
     firsts = [min(t, default=t0) for t in dispatched(logs, "u", t0, t0 + 20 * S)]
     arrived = max(
@@ -236,10 +238,10 @@ def split_run(servers, model: str) -> Split:
     # A store round that fails (a 2-core CI machine once kept the store from
     # answering both engines for over the 1 s timeout) holds the shared user
     # back until the next answer, as specified: each engine counts that time.
-    states = [store_state(url) for url in (a, b)]
+    states = [body["store"] for body in after]
     held_a, held_b = (
-        state["failing_s"] - before
-        for state, before in zip(states, failing_before, strict=True)
+        now["store"]["failing_s"] - then["store"]["failing_s"]
+        for now, then in zip(after, before, strict=True)
     )
     # The limit over the window, less each engine's share (3:1) of its own
     # stalls and of the time it held u back for want of the store.
