@@ -101,16 +101,30 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
                 h.add(f"user-{i % users}", prompt_len=16, max_tokens=100_000)
             for _ in range(5):  # prefill, then a few decode steps
                 h.step(MS)
-        ratios, times = [], {name: [] for name in subjects}
+        ratios: dict[str, list[float]] = {"schedule": [], "update": [], "step": []}
+        times: dict[str, dict[str, list[int]]] = {
+            name: {"schedule": [], "update": []} for name in subjects
+        }
         for _ in range(60 if quick else 300):
             for name, h in subjects.items():
                 h.step(MS)
-                times[name].append(h.schedule_ns)
-            ratios.append(times["ours"][-1] / times["stock"][-1])
+                times[name]["schedule"].append(h.schedule_ns)
+                times[name]["update"].append(h.update_ns)
+            ours, stock = times["ours"], times["stock"]
+            for part in ("schedule", "update"):
+                ratios[part].append(ours[part][-1] / stock[part][-1])
+            ratios["step"].append(
+                (ours["schedule"][-1] + ours["update"][-1])
+                / (stock["schedule"][-1] + stock["update"][-1])
+            )
         results[f"R={requests},U={users}"] = {
-            "ratio": statistics.median(ratios),
-            "stock_us": statistics.median(times["stock"]) / 1e3,
-            "ours_us": statistics.median(times["ours"]) / 1e3,
+            "ratio": statistics.median(ratios["schedule"]),
+            "stock_us": statistics.median(times["stock"]["schedule"]) / 1e3,
+            "ours_us": statistics.median(times["ours"]["schedule"]) / 1e3,
+            "update_ratio": statistics.median(ratios["update"]),
+            "stock_update_us": statistics.median(times["stock"]["update"]) / 1e3,
+            "ours_update_us": statistics.median(times["ours"]["update"]) / 1e3,
+            "step_ratio": statistics.median(ratios["step"]),
         }
     return results
 

@@ -116,6 +116,13 @@ def table(results: dict[str, Any]) -> str:
             f"| ours/stock {cost['ratio']:.2f} ({cost['ours_us']:.0f} vs "
             f"{cost['stock_us']:.0f} µs) | within 5 % |"
         )
+        if "update_ratio" in cost:  # runs since 2026-12-03
+            lines.append(
+                f"| context: update_from_output with speculation ({size}) "
+                f"| ours/stock {cost['update_ratio']:.2f} "
+                f"({cost['ours_update_us']:.0f} vs {cost['stock_update_us']:.0f} µs);"
+                f" schedule + update {cost['step_ratio']:.2f} | not judged |"
+            )
     if "servers" in results:
         srv = results["servers"]
         for label, ours, stock in _acceptance_rates(srv):

@@ -16,7 +16,7 @@ decoding, also refunds of drafts a later report says were rejected).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, KeysView, Mapping
 from typing import Protocol
 
 
@@ -46,6 +46,11 @@ class Budget(Protocol):
     def refund(self, user: str, count: int = 1) -> None: ...
 
     def refund_many(self, counts: Mapping[str, int]) -> None: ...
+
+    def refunds_absorbed(self, users: KeysView[str]) -> bool:
+        """Whether refunds to ``users`` now would change nothing (a caller
+        may then skip computing them)."""
+        ...
 
     def refund_late(
         self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()

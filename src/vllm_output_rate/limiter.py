@@ -21,7 +21,7 @@ millions of tokens; only ``ready_at_ns`` rounds, and it rounds up.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, KeysView, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -339,17 +339,21 @@ class OutputRateLimiter:
         refunds are skipped, which keeps the group as it was, so that the
         next step's same take is renewed in O(1) (speculative decoding's
         rejected drafts, users far below their limits)."""
-        group = self._group_taken
-        if (
-            group
-            and counts.keys() <= group.keys()
-            and self._group_is_free(self._clock())
-        ):
+        if self.refunds_absorbed(counts.keys()):
             return
         give_back = self._give_back
         for user, count in counts.items():
             if count > 0:
                 give_back(user, count)
+
+    def refunds_absorbed(self, users: KeysView[str]) -> bool:
+        """Whether refunds to ``users`` now would change nothing a later
+        call can see (``refund_many``: all of them are members of the group
+        and the whole group is free)."""
+        group = self._group_taken
+        return (
+            bool(group) and users <= group.keys() and self._group_is_free(self._clock())
+        )
 
     def refund_late(
         self,

@@ -124,6 +124,7 @@ class SchedulerHarness:
     added_at: dict[str, int] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
     schedule_ns: int = 0  # how long the latest schedule() took
+    update_ns: int = 0  # how long the latest update_from_output() took
     _pending: deque[_InFlight] = field(default_factory=deque)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -267,7 +268,9 @@ class SchedulerHarness:
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+        started = time.perf_counter_ns()
         engine_outputs = self.scheduler.update_from_output(output, model_output)
+        self.update_ns = time.perf_counter_ns() - started
         for client_outputs in engine_outputs.values():
             for out in client_outputs.outputs:
                 self.outputs[out.request_id].extend(out.new_token_ids)

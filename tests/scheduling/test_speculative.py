@@ -184,6 +184,51 @@ def test_limits_that_do_not_bind_cost_no_speculation(
     assert sum(d.drafts for d in ours.dispatches) > 0
 
 
+def test_refunds_skipped_as_changing_nothing_change_nothing(
+    tiny_model_path: str, mode: tuple[bool, int], spec_limited
+) -> None:
+    """The plain limiter lets the ledger skip a full step's refunds when all
+    its users are free (far below their limits): the same traffic then gets
+    the same dispatches and tokens as with every refund made and counted."""
+    is_async, in_flight = mode
+    rates = {"slow": 30.0}  # binds; the others never do
+
+    def workload(h: SchedulerHarness) -> tuple[list[tuple[int, str, int, int]], dict]:
+        h.acceptance = accept_by_hash
+        for i in range(12):
+            user = "slow" if i % 4 == 0 else f"free-{i % 3}"
+            h.add(user, prompt_len=5 + 23 * i % 90, max_tokens=40 + 13 * i)
+        h.run_until_done(2 * MS)
+        dispatches = [
+            (d.step, d.request_id, d.num_tokens, d.drafts) for d in h.dispatches
+        ]
+        return dispatches, {u: h.received_by(u) for u in set(h.users.values())}
+
+    skipping = make_scheduler(
+        tiny_model_path,
+        limits={
+            "default_user_output_tokens_per_second": 1e6,
+            "user_output_tokens_per_second": rates,
+        },
+        is_async=is_async,
+        in_flight=in_flight,
+        num_spec_tokens=K,
+    )
+    limiter = skipping.scheduler.output_rate.limiter
+    answers: list[bool] = []
+    absorbed = limiter.refunds_absorbed
+
+    def watched(users):
+        answers.append(absorbed(users))
+        return answers[-1]
+
+    limiter.refunds_absorbed = watched  # type: ignore[method-assign]
+    counted = spec_limited(1e6, rates)  # refunds all made; invariant checked
+    assert workload(skipping) == workload(counted)
+    if not is_async:  # only a synchronous step is settled at once
+        assert any(answers) and not all(answers)
+
+
 def test_a_stop_inside_the_accepted_drafts_is_given_back(spec_limited) -> None:
     h = spec_limited(1000)
     h.acceptance = lambda _request, drafts: drafts

@@ -48,10 +48,13 @@ class Demand:
         # Changes whenever a user joins or leaves ``unfinished``, so that a
         # watcher (a shared store's leases) need not compare the users.
         self.generation = 0
+        # Changes whenever a count in ``unfinished`` changes.
+        self.changes = 0
 
     def add(self, request_id: str, user: str) -> None:
         if request_id not in self.user_by_id:
             self.user_by_id[request_id] = user
+            self.changes += 1
             count = self.unfinished.get(user, 0)
             self.unfinished[user] = count + 1
             if not count:
@@ -71,6 +74,7 @@ class Demand:
         for request_id in finished_ids:
             user = users.pop(request_id, None)
             if user is not None:
+                self.changes += 1
                 unfinished[user] -= 1
                 if not unfinished[user]:
                     del unfinished[user]
@@ -83,6 +87,7 @@ class Demand:
         self.user_by_id = {rid: user_of(r) for rid, r in requests.items()}
         self.unfinished = dict(Counter(self.user_by_id.values()))
         self.generation += 1
+        self.changes += 1
 
     def count_sampled(
         self,

@@ -263,8 +263,7 @@ class OutputRatePolicy(OperatorView):
         if self.leases is not None:
             self.leases.between_steps(demand, self.demand.generation)
         if spec is not None:
-            per_request = spec.tokens_per_request
-            demand = {user: n * per_request for user, n in demand.items()}
+            demand = spec.most_per_user(demand, self.demand.changes)
             spec.charges.clear()
         everyone_covered = self.budget.begin_step(demand)
         self._charged.clear()
@@ -401,7 +400,7 @@ class OutputRatePolicy(OperatorView):
         """Speculative decoding: return the tokens charged for reported steps
         that their users did not receive (before this step's reservation)."""
         limiter = self.limiter
-        refunds = spec.refunds()
+        refunds = spec.refunds(limiter.refunds_absorbed)
         for user, count, later_takes in refunds.late:
             limiter.refund_late(user, count, later_takes)
         if refunds.plain:
@@ -557,6 +556,7 @@ class OutputRatePolicy(OperatorView):
                 inflight_prefills(host),
                 None,
                 reserved=self.budget.reserved,
+                changes=self.demand.changes,
             )
         else:
             served = self.demand.count_sampled(

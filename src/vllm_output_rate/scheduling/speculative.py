@@ -35,7 +35,7 @@ Requests are vLLM ``Request`` objects; scheduler outputs are vLLM's
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, KeysView, Mapping
 from dataclasses import dataclass, field
 from itertools import filterfalse, repeat
 from operator import attrgetter, sub
@@ -83,7 +83,9 @@ class _Step:
     time_ns: int
     requests: list[Request]
     users: list[str]
-    charged: dict[str, int]
+    charged: Mapping[str, int]
+    # Every request charged its most (each received at most its charge).
+    full: bool = False
     before: list[int] = field(default_factory=list)  # outputs before its report
 
 
@@ -95,6 +97,10 @@ class Refunds:
 
     plain: dict[str, int] = field(default_factory=dict)
     late: list[tuple[str, int, list[tuple[int, int]]]] = field(default_factory=list)
+
+
+# A step whose refunds change nothing (callers only read a Refunds).
+_NONE_OWED = Refunds()
 
 
 class SpeculativeLedger:
@@ -122,6 +128,26 @@ class SpeculativeLedger:
         # Received more than charged (would be a bug); the policy charges the
         # excess after the fact and logs it.
         self.undercharged: Counter[str] = Counter()
+        # most_per_user's last answer, and the count of changes it is for.
+        self._most: dict[str, int] = {}
+        self._most_changes = -1
+        # record_step's last full step: its request ids, requests and their
+        # users, and the count of demand changes it saw (the same ids and
+        # count: the same requests).
+        self._last_full: tuple[list[str], int, list[Request], list[str]] | None = None
+
+    def most_per_user(
+        self, unfinished: Mapping[str, int], changes: int
+    ) -> dict[str, int]:
+        """The most tokens each user's ``unfinished`` requests can emit in a
+        step; ``changes`` counts the changes of ``unfinished`` (the same
+        count: the same answer, kept from the last call)."""
+        if changes != self._most_changes:
+            self._last_full = None  # holds requests that may have finished
+            per_request = self.tokens_per_request
+            self._most = {user: n * per_request for user, n in unfinished.items()}
+            self._most_changes = changes
+        return self._most
 
     def unsettled_steps(self) -> int:
         """Steps in flight, or reported and not settled yet."""
@@ -169,7 +195,8 @@ class SpeculativeLedger:
         inflight_prefills: Collection[Request],
         charges: Mapping[str, int] | None,
         reserved: Mapping[str, int] | None = None,
-    ) -> dict[str, int]:
+        changes: int = -1,
+    ) -> Mapping[str, int]:
         """Keep the step's sampling dispatches; return the tokens charged per
         user.
 
@@ -181,22 +208,30 @@ class SpeculativeLedger:
         each user's reservation, ``tokens_per_request`` per unfinished
         request; when the step's token counts show that every one of them
         was scheduled as a decode with every draft, that is the charge, and
-        no request's drafts need counting.
+        no request's drafts need counting. ``changes``: the count of
+        changes of the unfinished requests (``Demand.changes``): while it and
+        the step's request ids stay the same, a full step reuses the last
+        one's requests and users.
         """
         ids = list(output.num_scheduled_tokens)
-        scheduled = list(map(requests.__getitem__, ids))
         if (
             reserved is not None
             and ids
             and not inflight_prefills
             and self._all_full(output, len(ids), reserved)
         ):
-            users = list(map(user_of, scheduled))
-            charged = dict(reserved)
+            last = self._last_full
+            if last is not None and last[1] == changes and last[0] == ids:
+                scheduled, users = last[2], last[3]  # steady decoding
+            else:
+                scheduled = list(map(requests.__getitem__, ids))
+                users = list(map(user_of, scheduled))
+                self._last_full = (ids, changes, scheduled, users)
             self._in_flight[id(output)] = _Step(
-                output, step, time_ns, scheduled, users, charged
+                output, step, time_ns, scheduled, users, reserved, full=True
             )
-            return charged
+            return reserved
+        scheduled = list(map(requests.__getitem__, ids))
         if inflight_prefills:  # some chunks stop short of the end
             sampling = [not chunk for chunk in map(_is_prefill_chunk, scheduled)]
             ids = [i for i, samples in zip(ids, sampling, strict=True) if samples]
@@ -263,10 +298,14 @@ class SpeculativeLedger:
 
     # ----- the next refund point ------------------------------------------
 
-    def refunds(self) -> Refunds:
+    def refunds(self, absorbed: Callable[[KeysView[str]], bool]) -> Refunds:
         """What users were charged and did not receive from the steps
         reported since the last call (late ones oldest first). Also fills
-        ``delivered``, ``delivered_at`` and ``undercharged``."""
+        ``delivered``, ``delivered_at`` and ``undercharged``.
+
+        ``absorbed(users)``: whether refunds to ``users`` would change
+        nothing now (the limiter's ``refunds_absorbed``); then a full step's
+        refunds are not even computed."""
         reported = self._reported
         if len(reported) == 1 and not self._grants:
             # Synchronous scheduling: the one step reported since the last
@@ -275,6 +314,12 @@ class SpeculativeLedger:
             self._reported = []
             self.delivered = received
             self.delivered_at = [(step.time_ns, received)]
+            if step.full and absorbed(step.charged.keys()):
+                # Nobody can have received more than charged, and giving
+                # back changes nothing: users far below their limits.
+                if self.undercharged:
+                    self.undercharged = Counter()
+                return _NONE_OWED
             get = received.get
             unreceived = {
                 user: count - get(user, 0) for user, count in step.charged.items()

@@ -79,7 +79,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, KeysView, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,6 +318,10 @@ class LeasedLimiter:
     def refund_many(self, counts: Mapping[str, int]) -> None:
         for user, count in counts.items():
             self.refund(user, count)
+
+    def refunds_absorbed(self, users: KeysView[str]) -> bool:
+        # A shared user's refunds also go back to its lease.
+        return self._shared.isdisjoint(users) and self.pacer.refunds_absorbed(users)
 
     def refund_late(
         self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
