@@ -17,6 +17,7 @@ JSON line per round.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -133,6 +134,10 @@ def _child(kind: str, model: str) -> None:
             break
         for _ in range(WARMUP_PER_RUN):
             llm.generate(prompts, params, use_tqdm=False)
+        if load.continuous:
+            tokens, seconds = _continuous_round(llm, params, prompts, load)
+            _reply({"tokens": tokens, "seconds": seconds})
+            continue
         tokens = 0
         started = time.perf_counter()
         for _ in range(load.generates_per_round):
@@ -141,14 +146,58 @@ def _child(kind: str, model: str) -> None:
         _reply({"tokens": tokens, "seconds": time.perf_counter() - started})
 
 
+def _continuous_round(
+    llm: Any, params: list[Any], prompts: list[Any], load: Load
+) -> tuple[int, float]:
+    """The round's tokens with the engine kept full: one request per entry
+    of ``load.users`` at first, and each that ends replaced at once by the
+    same user's next, until ``load.tokens_per_round`` tokens came out (the
+    requests still running then are aborted, after the clock stops). Closed
+    batches end in steps with fewer requests than slots, and how many
+    depends on the order requests finish in, not on the engine's speed."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    numbers = itertools.count()
+    stream_of: dict[str, int] = {}
+
+    def add(stream: int) -> None:
+        request_id = f"round-{next(numbers)}"
+        stream_params = params[stream].clone()
+        stream_params.output_kind = RequestOutputKind.DELTA
+        engine.add_request(request_id, prompts[stream], stream_params)
+        stream_of[request_id] = stream
+
+    tokens = 0
+    started = time.perf_counter()
+    for stream in range(len(prompts)):
+        add(stream)
+    while tokens < load.tokens_per_round:
+        for output in engine.step():
+            tokens += len(output.outputs[0].token_ids)
+            if output.finished:
+                add(stream_of.pop(output.request_id))
+    seconds = time.perf_counter() - started
+    engine.abort_request(list(stream_of))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return tokens, seconds
+
+
 @dataclass
 class Load:
     """One round's work: ``generates_per_round`` batches of one request per
-    entry of ``users`` (None: anonymous), ``max_tokens`` each."""
+    entry of ``users`` (None: anonymous), ``max_tokens`` each; or, when
+    ``continuous``, as many tokens with every stream kept busy."""
 
     users: list[str | None]
     max_tokens: int
     generates_per_round: int
+    continuous: bool = False
+
+    @property
+    def tokens_per_round(self) -> int:
+        return self.generates_per_round * len(self.users) * self.max_tokens
 
     @property
     def streams(self) -> int:
@@ -161,7 +210,7 @@ def load_for(saturated: bool) -> Load:
         return Load([None] * STREAMS, MAX_TOKENS, GENERATES_PER_ROUND)
     from benchmarks.fair_shares import ENGINE_LOAD_USERS
 
-    return Load(list(ENGINE_LOAD_USERS), 64, 2)
+    return Load(list(ENGINE_LOAD_USERS), 64, 2, continuous=True)
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -319,6 +368,7 @@ def engine_throughput(
         "streams": load.streams,
         "max_tokens": load.max_tokens,
         "generates_per_round": load.generates_per_round,
+        "continuous": load.continuous,
         "default_limit": DEFAULT_LIMIT,
         "scheduler_cls": scheduler_cls,
         "step_timing": timing,

@@ -191,11 +191,9 @@ def _engine_time(engine: dict[str, Any]) -> list[str]:
         )
     return [
         *step_timing_lines(stock, ours),
-        f"For the same tokens ours ran {extra_steps:+.1%} steps (the end of "
-        "each batch, where fewer requests are left than active slots: stock "
-        "runs its equal requests in waves that end together, ours' turns "
-        f"leave the last ones at different points) of {step_cost:+.1%} cost "
-        "each. Stock's engine-core busy time over ours' for the same work "
+        f"For the same tokens ours ran {extra_steps:+.1%} steps "
+        f"{_tail_reason(engine)} of {step_cost:+.1%} cost each. Stock's "
+        "engine-core busy time over ours' for the same work "
         "(the throughput ratio of the engine cores alone, summed over every "
         f"step of both engines): **{ratio:.3f}**.{worker}",
     ]
@@ -243,9 +241,7 @@ def table(results: dict[str, Any]) -> str:
         lines += [
             "",
             "Total throughput on the engine without HTTP (vLLM's `LLM` class, "
-            "same engine settings and policy; each round generates "
-            f"{engine['generates_per_round']} batches of {engine['streams']} "
-            f"requests of two users, {engine['max_tokens']} tokens each, "
+            f"same engine settings and policy; {_round_load(engine)}, "
             f"stock and ours in turn): ours / stock over {engine['rounds']} "
             f"paired rounds, median **{engine['ratio_median']:.3f}** "
             f"(quartiles {q1:.3f}-{q3:.3f}; target >= {THROUGHPUT_TARGET:g}: "
@@ -276,3 +272,30 @@ def table(results: dict[str, Any]) -> str:
                 f"| {row['step_ratio_to_stock']:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _round_load(engine: dict[str, Any]) -> str:
+    streams, tokens = engine["streams"], engine["max_tokens"]
+    if engine.get("continuous"):  # runs since 2026-12-03
+        total = engine["generates_per_round"] * streams * tokens
+        return (
+            f"each round keeps {streams} streams of two users busy with "
+            f"requests of {tokens} tokens, each that ends replaced at once, "
+            f"for {total:,} tokens (the engine stays saturated to the end; "
+            "closed batches of the same requests end in steps with fewer "
+            "requests than slots: 2 % of ours' steps, 0 of stock's)"
+        )
+    return (
+        f"each round generates {engine['generates_per_round']} batches of "
+        f"{streams} requests of two users, {tokens} tokens each"
+    )
+
+
+def _tail_reason(engine: dict[str, Any]) -> str:
+    if engine.get("continuous"):
+        return "(requests enter and leave by turns; no batch ends in a round)"
+    return (
+        "(the end of each batch, where fewer requests are left than active "
+        "slots: stock runs its equal requests in waves that end together, "
+        "ours' turns leave the last ones at different points)"
+    )
