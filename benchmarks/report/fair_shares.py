@@ -293,7 +293,11 @@ def _round_load(engine: dict[str, Any]) -> str:
 
 def _tail_reason(engine: dict[str, Any]) -> str:
     if engine.get("continuous"):
-        return "(requests enter and leave by turns; no batch ends in a round)"
+        return (
+            "(the engines' warm-up generates, before start and each round, "
+            "are closed batches and end in steps with fewer requests than "
+            "slots; the timed rounds keep the engine full)"
+        )
     return (
         "(the end of each batch, where fewer requests are left than active "
         "slots: stock runs its equal requests in waves that end together, "

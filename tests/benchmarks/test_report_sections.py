@@ -193,6 +193,26 @@ def fair_results(light_share: float, engine_ratio: float) -> dict[str, Any]:
     }
 
 
+def test_the_fair_shares_section_says_how_the_engine_was_loaded(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.engine_throughput import load_for
+    from benchmarks.report import fair_shares
+
+    load = load_for(saturated=True)
+    assert load.continuous and load.tokens_per_round == 2 * 36 * 64
+    assert not load_for(saturated=False).continuous
+    results = fair_results(2 / 3, 0.99)
+    closed = fair_shares.section(results, tmp_path, tmp_path)
+    assert "each round generates 2 batches of 12 requests" in closed
+    assert "the end of each batch" in closed
+    results["engine"]["continuous"] = True
+    kept_full = fair_shares.section(results, tmp_path, tmp_path)
+    assert "keeps 12 streams of two users busy" in kept_full
+    assert "for 1,536 tokens" in kept_full
+    assert "the timed rounds keep the engine full" in kept_full
+
+
 def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     from benchmarks.report import fair_shares
 
