@@ -16,7 +16,7 @@ this class for a few extra, untimed steps.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, KeysView, Mapping
 from typing import Any
 
 from vllm_output_rate.limiter import OutputRateLimiter
@@ -63,7 +63,7 @@ class CountingLimiter(OutputRateLimiter):
         super().refund_many(counts)
         self.net.subtract({u: c for u, c in counts.items() if c > 0})
 
-    def refunds_absorbed(self, users: Any) -> bool:
+    def refunds_absorbed(self, users: KeysView[str]) -> bool:
         # Never: every refund is then made, and counted in `net`. (The plain
         # limiter lets a caller skip refunds that change nothing; a test
         # compares it with this one, decision for decision.)

@@ -556,7 +556,6 @@ class OutputRatePolicy(OperatorView):
                 inflight_prefills(host),
                 None,
                 reserved=self.budget.reserved,
-                changes=self.demand.changes,
             )
         else:
             served = self.demand.count_sampled(

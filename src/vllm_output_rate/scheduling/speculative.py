@@ -132,9 +132,9 @@ class SpeculativeLedger:
         self._most: dict[str, int] = {}
         self._most_changes = -1
         # record_step's last full step: its request ids, requests and their
-        # users, and the count of demand changes it saw (the same ids and
-        # count: the same requests).
-        self._last_full: tuple[list[str], int, list[Request], list[str]] | None = None
+        # users. Dropped by most_per_user when the unfinished requests
+        # change, so the same ids then mean the same requests.
+        self._last_full: tuple[list[str], list[Request], list[str]] | None = None
 
     def most_per_user(
         self, unfinished: Mapping[str, int], changes: int
@@ -143,7 +143,8 @@ class SpeculativeLedger:
         step; ``changes`` counts the changes of ``unfinished`` (the same
         count: the same answer, kept from the last call)."""
         if changes != self._most_changes:
-            self._last_full = None  # holds requests that may have finished
+            # Its ids may now name other requests (and it holds finished ones).
+            self._last_full = None
             per_request = self.tokens_per_request
             self._most = {user: n * per_request for user, n in unfinished.items()}
             self._most_changes = changes
@@ -195,7 +196,6 @@ class SpeculativeLedger:
         inflight_prefills: Collection[Request],
         charges: Mapping[str, int] | None,
         reserved: Mapping[str, int] | None = None,
-        changes: int = -1,
     ) -> Mapping[str, int]:
         """Keep the step's sampling dispatches; return the tokens charged per
         user.
@@ -208,10 +208,9 @@ class SpeculativeLedger:
         each user's reservation, ``tokens_per_request`` per unfinished
         request; when the step's token counts show that every one of them
         was scheduled as a decode with every draft, that is the charge, and
-        no request's drafts need counting. ``changes``: the count of
-        changes of the unfinished requests (``Demand.changes``): while it and
-        the step's request ids stay the same, a full step reuses the last
-        one's requests and users.
+        no request's drafts need counting. While the unfinished requests
+        stay as ``most_per_user`` last saw them and the step's request ids
+        are the same, a full step reuses the last one's requests and users.
         """
         ids = list(output.num_scheduled_tokens)
         if (
@@ -221,12 +220,12 @@ class SpeculativeLedger:
             and self._all_full(output, len(ids), reserved)
         ):
             last = self._last_full
-            if last is not None and last[1] == changes and last[0] == ids:
-                scheduled, users = last[2], last[3]  # steady decoding
+            if last is not None and last[0] == ids:
+                _, scheduled, users = last  # steady decoding
             else:
                 scheduled = list(map(requests.__getitem__, ids))
                 users = list(map(user_of, scheduled))
-                self._last_full = (ids, changes, scheduled, users)
+                self._last_full = (ids, scheduled, users)
             self._in_flight[id(output)] = _Step(
                 output, step, time_ns, scheduled, users, reserved, full=True
             )
