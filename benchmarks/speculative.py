@@ -5,8 +5,9 @@ predicts its input token, so drafts are accepted):
 
 * ``step_cost`` (no server): one scheduler step with speculative decoding on
   and no limit binding, ours / stock, on vLLM's real scheduler (the test
-  harness; synthetic drafts and acceptance), R requests over R/4 users. The
-  median over rounds of (ours / stock in the same round).
+  harness; synthetic drafts and acceptance), R requests over R/4 users, all
+  resident to the end (the KV cache is sized for the run). The median over
+  rounds of (ours / stock in the same round).
 * ``acceptance``: a user far below its limit, greedy then at temperature 1:
   vLLM's own counters (accepted / draft tokens), on a stock and an ours
   server up at once (each model worker on its own core), in alternating
@@ -65,6 +66,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog near the quiet river bank.
 LIMITED = {"at-20": 20, "at-100": 100}
 FREE_LIMIT = 1e6
 MS = 1_000_000
+PROMPT_TOKENS = 16
+WARM_STEPS = 5
 
 
 # ----- step cost (no server) ----------------------------------------------------
@@ -75,11 +78,21 @@ def _accept(request: Any, drafts: int) -> int:
     return zlib.crc32(key) % (drafts + 1)
 
 
+def _blocks_for(requests: int, rounds: int, block_size: int) -> int:
+    """KV blocks for every request to stay resident through the run: each
+    step adds at most 1 + 4 drafts per request (at 300 rounds, 256 requests
+    outgrow the harness's default 10,000 blocks after about 200 steps, and
+    vLLM then preempts one every step: another regime than steady decoding)."""
+    tokens = PROMPT_TOKENS + (WARM_STEPS + rounds + 1) * 5
+    return requests * -(-tokens // block_size) + 64
+
+
 def step_cost(model: str, quick: bool) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    from harness.scheduler_sim import make_scheduler
+    from harness.scheduler_sim import BLOCK_SIZE, make_scheduler
 
     results = {}
+    rounds = 60 if quick else 300
     for requests in (16, 64) if quick else (16, 64, 256):
         users = max(1, requests // 4)
         subjects = {
@@ -89,6 +102,7 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
                 num_spec_tokens=4,
                 max_num_seqs=requests,
                 max_num_batched_tokens=8192,
+                num_blocks=_blocks_for(requests, rounds, BLOCK_SIZE),
             )
             for name, limits in (
                 ("stock", None),
@@ -98,14 +112,14 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
         for h in subjects.values():
             h.acceptance = _accept
             for i in range(requests):
-                h.add(f"user-{i % users}", prompt_len=16, max_tokens=100_000)
-            for _ in range(5):  # prefill, then a few decode steps
+                h.add(f"user-{i % users}", prompt_len=PROMPT_TOKENS, max_tokens=100_000)
+            for _ in range(WARM_STEPS):  # prefill, then a few decode steps
                 h.step(MS)
         ratios: dict[str, list[float]] = {"schedule": [], "update": [], "step": []}
         times: dict[str, dict[str, list[int]]] = {
             name: {"schedule": [], "update": []} for name in subjects
         }
-        for _ in range(60 if quick else 300):
+        for _ in range(rounds):
             for name, h in subjects.items():
                 h.step(MS)
                 times[name]["schedule"].append(h.schedule_ns)
