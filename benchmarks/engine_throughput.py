@@ -126,16 +126,16 @@ def build_engine(kind: str, model: str) -> tuple[Any, list[Any], list[Any], Load
 def _child(kind: str, model: str) -> None:
     llm, params, prompts, load = build_engine(kind, model)
     scheduler_cls = llm.llm_engine.vllm_config.scheduler_config.scheduler_cls
-    for _ in range(WARMUP_GENERATES):
-        llm.generate(prompts, params, use_tqdm=False)
+    _warm_up(llm, params, prompts, load, WARMUP_GENERATES)
     _reply({"ready": True, "scheduler_cls": str(scheduler_cls)})
     for line in sys.stdin:
         if line.strip() != "run":
             break
-        for _ in range(WARMUP_PER_RUN):
-            llm.generate(prompts, params, use_tqdm=False)
+        _warm_up(llm, params, prompts, load, WARMUP_PER_RUN)
         if load.continuous:
-            tokens, seconds = _continuous_round(llm, params, prompts, load)
+            tokens, seconds = _continuous_round(
+                llm, params, prompts, load.tokens_per_round
+            )
             _reply({"tokens": tokens, "seconds": seconds})
             continue
         tokens = 0
@@ -146,15 +146,30 @@ def _child(kind: str, model: str) -> None:
         _reply({"tokens": tokens, "seconds": time.perf_counter() - started})
 
 
+def _warm_up(
+    llm: Any, params: list[Any], prompts: list[Any], load: Load, generates: int
+) -> None:
+    """Untimed: ``generates`` batches of the load's requests, or as many
+    tokens with the engine kept full when the timed rounds keep it full (so
+    the step timing, which counts every step, is not mixed with closed
+    batches' last steps)."""
+    if load.continuous:
+        tokens = generates * load.streams * load.max_tokens
+        _continuous_round(llm, params, prompts, tokens)
+        return
+    for _ in range(generates):
+        llm.generate(prompts, params, use_tqdm=False)
+
+
 def _continuous_round(
-    llm: Any, params: list[Any], prompts: list[Any], load: Load
+    llm: Any, params: list[Any], prompts: list[Any], tokens_wanted: int
 ) -> tuple[int, float]:
-    """The round's tokens with the engine kept full: one request per entry
-    of ``load.users`` at first, and each that ends replaced at once by the
-    same user's next, until ``load.tokens_per_round`` tokens came out (the
-    requests still running then are aborted, after the clock stops). Closed
-    batches end in steps with fewer requests than slots, and how many
-    depends on the order requests finish in, not on the engine's speed."""
+    """``tokens_wanted`` tokens with the engine kept full: one request per
+    prompt at first, and each that ends replaced at once by the same
+    stream's next, until that many tokens came out (the requests still
+    running then are aborted, after the clock stops). Closed batches end in
+    steps with fewer requests than slots, and how many depends on the order
+    requests finish in, not on the engine's speed."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
@@ -172,7 +187,7 @@ def _continuous_round(
     started = time.perf_counter()
     for stream in range(len(prompts)):
         add(stream)
-    while tokens < load.tokens_per_round:
+    while tokens < tokens_wanted:
         for output in engine.step():
             tokens += len(output.outputs[0].token_ids)
             if output.finished:
@@ -369,6 +384,8 @@ def engine_throughput(
         "max_tokens": load.max_tokens,
         "generates_per_round": load.generates_per_round,
         "continuous": load.continuous,
+        # The warm-ups keep the engine full too (runs since 2026-12-03 15:00).
+        "continuous_warm_up": load.continuous,
         "default_limit": DEFAULT_LIMIT,
         "scheduler_cls": scheduler_cls,
         "step_timing": timing,

@@ -292,6 +292,8 @@ def _round_load(engine: dict[str, Any]) -> str:
 
 
 def _tail_reason(engine: dict[str, Any]) -> str:
+    if engine.get("continuous_warm_up"):
+        return "(every step counted, the warm-ups' included, is of an engine kept full)"
     if engine.get("continuous"):
         return (
             "(the engines' warm-up generates, before start and each round, "

@@ -211,6 +211,10 @@ def test_the_fair_shares_section_says_how_the_engine_was_loaded(
     assert "keeps 12 streams of two users busy" in kept_full
     assert "for 1,536 tokens" in kept_full
     assert "the timed rounds keep the engine full" in kept_full
+    results["engine"]["continuous_warm_up"] = True
+    warmed_full = fair_shares.section(results, tmp_path, tmp_path)
+    assert "the warm-ups' included, is of an engine kept full" in warmed_full
+    assert "closed batches" not in warmed_full.split("For the same tokens")[1]
 
 
 def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
