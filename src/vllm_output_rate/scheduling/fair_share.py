@@ -120,10 +120,15 @@ class FairShare:
     ) -> tuple[int, float, int]:
         """The rank of ``user``'s ``k``-th slot in this step (0-based), for a
         request with ``turn_left`` steps left in its turn."""
+        # service() and weight() inline: the ranking and every kept step
+        # (kept_batch) call this a few times per step.
         below = self._credit.get(user, 0.0) - k >= 1.0
+        level = self.level
+        own = self._service.get(user, level)
         return (
             0 if below else 1,
-            self.service(user) + (k - turn_left) / self.weight(user),
+            (own if own > level else level)
+            + (k - turn_left) / self.weights.get(user, DEFAULT_WEIGHT),
             last_served,
         )
 

@@ -27,9 +27,11 @@ check is O(users served), never O(resident requests).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from vllm_output_rate.scheduling.fair_share import TURN_STEPS
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.fair_share import FairShare
@@ -46,37 +48,43 @@ class KeptBatch:
     next_slots: Mapping[str, int]  # picked user -> its next slot k, unpicked
     rivals_key: Any  # the best (key, user) of the users picked nothing, or None
     waiting_users: frozenset[str]  # claimants left waiting (backlogged)
+    # Picked user whose last slot's turn counted -> the earliest turn start
+    # among its picks. Every pick was served in each step since the ranking
+    # (the policy keeps no batch otherwise), so no turn start moves and the
+    # pick with the least turn left is the one that started first.
+    turn_starts: Mapping[str, int]
     requests: int = 0  # vLLM's unfinished requests after the last step
     running: int = 0  # and its running ones
 
     def still_first(
-        self,
-        step: int,
-        fair: FairShare,
-        user_last_served: Mapping[str, int],
-        turn_left: Callable[[Any], int],
+        self, step: int, fair: FairShare, user_last_served: Mapping[str, int]
     ) -> bool:
         """Whether ranking afresh in ``step`` would pick the same batch
         (given that nothing it reads has changed: the caller checks that)."""
         if step >= self.until:
             return False
-
-        def key(user: str, k: int, turn: int) -> Any:
-            # As ordering.share_slots ranks a resident request's slot.
-            return (True, fair.key(user, k, user_last_served.get(user, -1), turn))
-
-        # (key, user), as the ranking's heap orders them. The two best next
-        # slots of picked users: a user's own does not count against it.
-        next_keys = sorted((key(u, k, 0), u) for u, k in self.next_slots.items())[:2]
-        for user, (k, picks, in_turn) in self.last_picks.items():
+        served = user_last_served.get
+        key = fair.key
+        # (key, user), as the ranking's heap orders them (as
+        # ordering.share_slots ranks a resident request's slot). The two
+        # best next slots of picked users: a user's own does not count
+        # against it.
+        next_keys = sorted(
+            ((True, key(u, k, served(u, -1), 0)), u) for u, k in self.next_slots.items()
+        )[:2]
+        turn_starts = self.turn_starts
+        for user, (k, _, _) in self.last_picks.items():
             rivals = [entry for entry in next_keys if entry[1] != user]
             if self.rivals_key is not None:
                 rivals.append(self.rivals_key)
+            if not rivals:
+                continue
             # A user's requests rank by the turn they have left, most first:
             # its last slot goes with the least left (turns end at their own
             # steps, so that order can change between steps).
-            turn = min(map(turn_left, picks)) if in_turn else 0
-            pick = (key(user, k, turn), user)
-            if rivals and pick > min(rivals):
+            start = turn_starts.get(user)
+            turn = 0 if start is None else max(0, TURN_STEPS - (step - start))
+            pick = ((True, key(user, k, served(user, -1), turn)), user)
+            if pick > min(rivals):
                 return False
         return True

@@ -301,9 +301,7 @@ class OutputRatePolicy(OperatorView):
         floors = self.fair.floors
         if floors and not floors.keys().isdisjoint(self.demand.unfinished):
             return False  # floor credit grows with time: rank again
-        return kept.still_first(
-            self.step, self.fair, self._user_last_served, self._turn_left
-        )
+        return kept.still_first(self.step, self.fair, self._user_last_served)
 
     def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
@@ -339,6 +337,11 @@ class OutputRatePolicy(OperatorView):
                 next_slots=ranking.next_slots,
                 rivals_key=ranking.rivals_key,
                 waiting_users=frozenset(slots.left_waiting() if slots else ()),
+                turn_starts={
+                    user: min(map(turn_start_of, requests))
+                    for user, (_, requests, in_turn) in ranking.last_picks.items()
+                    if in_turn
+                },
             )
         step = self.step
         for _, requests, _ in kept.last_picks.values():
