@@ -154,8 +154,7 @@ def _warm_up(
     the step timing, which counts every step, is not mixed with closed
     batches' last steps)."""
     if load.continuous:
-        tokens = generates * load.streams * load.max_tokens
-        _continuous_round(llm, params, prompts, tokens)
+        _continuous_round(llm, params, prompts, load.tokens_for(generates))
         return
     for _ in range(generates):
         llm.generate(prompts, params, use_tqdm=False)
@@ -210,9 +209,13 @@ class Load:
     generates_per_round: int
     continuous: bool = False
 
+    def tokens_for(self, generates: int) -> int:
+        """The tokens of ``generates`` batches of the load's requests."""
+        return generates * len(self.users) * self.max_tokens
+
     @property
     def tokens_per_round(self) -> int:
-        return self.generates_per_round * len(self.users) * self.max_tokens
+        return self.tokens_for(self.generates_per_round)
 
     @property
     def streams(self) -> int:
@@ -384,7 +387,7 @@ def engine_throughput(
         "max_tokens": load.max_tokens,
         "generates_per_round": load.generates_per_round,
         "continuous": load.continuous,
-        # The warm-ups keep the engine full too (runs since 2026-12-03 15:00).
+        # The warm-ups keep the engine full too (runs since 2026-12-03 14:27).
         "continuous_warm_up": load.continuous,
         "default_limit": DEFAULT_LIMIT,
         "scheduler_cls": scheduler_cls,

@@ -56,9 +56,10 @@ from typing import Any
 
 from benchmarks.measure import metric_totals
 
+DRAFT_TOKENS = 4
 SPECULATION = {
     "method": "ngram",
-    "num_speculative_tokens": 4,
+    "num_speculative_tokens": DRAFT_TOKENS,
     "prompt_lookup_max": 4,
     "prompt_lookup_min": 2,
 }
@@ -80,10 +81,12 @@ def _accept(request: Any, drafts: int) -> int:
 
 def _blocks_for(requests: int, rounds: int, block_size: int) -> int:
     """KV blocks for every request to stay resident through the run: each
-    step adds at most 1 + 4 drafts per request (at 300 rounds, 256 requests
-    outgrow the harness's default 10,000 blocks after about 200 steps, and
-    vLLM then preempts one every step: another regime than steady decoding)."""
-    tokens = PROMPT_TOKENS + (WARM_STEPS + rounds + 1) * 5
+    step adds at most one token plus its drafts per request (at 300 rounds,
+    256 requests outgrow the harness's default 10,000 blocks after about 200
+    steps, and vLLM then preempts one every step: another regime than steady
+    decoding)."""
+    per_step = 1 + DRAFT_TOKENS
+    tokens = PROMPT_TOKENS + (WARM_STEPS + rounds + 1) * per_step
     return requests * -(-tokens // block_size) + 64
 
 
@@ -99,7 +102,7 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
             name: make_scheduler(
                 model,
                 limits=limits,
-                num_spec_tokens=4,
+                num_spec_tokens=DRAFT_TOKENS,
                 max_num_seqs=requests,
                 max_num_batched_tokens=8192,
                 num_blocks=_blocks_for(requests, rounds, BLOCK_SIZE),

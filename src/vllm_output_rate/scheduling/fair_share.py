@@ -69,6 +69,12 @@ NS_PER_S = 1_000_000_000
 MAX_CREDIT_GAP_NS = 1_000_000_000
 
 
+def steps_left_in_turn(started: int, step: int) -> int:
+    """Steps left at ``step`` in a turn begun at step ``started`` (served in
+    every step since)."""
+    return max(0, TURN_STEPS - (step - started))
+
+
 class FairShare:
     def __init__(
         self,

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_output_rate.scheduling.fair_share import TURN_STEPS
+from vllm_output_rate.scheduling.fair_share import steps_left_in_turn
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.fair_share import FairShare
@@ -83,7 +83,7 @@ class KeptBatch:
             # its last slot goes with the least left (turns end at their own
             # steps, so that order can change between steps).
             start = turn_starts.get(user)
-            turn = 0 if start is None else max(0, TURN_STEPS - (step - start))
+            turn = 0 if start is None else steps_left_in_turn(start, step)
             pick = ((True, key(user, k, served(user, -1), turn)), user)
             if pick > min(rivals):
                 return False

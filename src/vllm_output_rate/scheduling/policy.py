@@ -87,7 +87,11 @@ from vllm_output_rate.scheduling.demand import (
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.engine_modes import EngineModes
-from vllm_output_rate.scheduling.fair_share import TURN_STEPS, FairShare
+from vllm_output_rate.scheduling.fair_share import (
+    TURN_STEPS,
+    FairShare,
+    steps_left_in_turn,
+)
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.operator_view import OperatorView
@@ -684,8 +688,7 @@ class OutputRatePolicy(OperatorView):
         step = self.step
         if last_served_of(request) != step - 1:
             return 0
-        started: int = turn_start_of(request)
-        return max(0, TURN_STEPS - (step - started))
+        return steps_left_in_turn(turn_start_of(request), step)
 
     def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Prompt tokens computed in the step per user (prefill, recompute):
