@@ -24,7 +24,7 @@ import pytest
 
 from harness.bounds import MS, assert_bound
 from harness.scheduler_sim import SchedulerHarness
-from vllm_output_rate.scheduling.fair_share import PREFILL_TOKEN_COST, TURN_STEPS
+from vllm_output_rate.scheduling.fair_share import PREFILL_TOKEN_COST, TURN_TOKENS
 
 STEP_NS = 10 * MS
 FAR = 100_000.0  # a limit far above what a 10 ms step can give anyone
@@ -98,8 +98,8 @@ def assert_within_bound(log: ServiceLog, users: set[str], warmup: int) -> None:
         i for i, (_, b) in enumerate(log.history) if i >= warmup and users <= b
     )
     base = log.history[start_at][0]
-    # Turns (TURN_STEPS) widen the bound by TURN_STEPS / w (the lightest).
-    bound = 2 * (log.largest_step + TURN_STEPS / min(log.weights.values(), default=1))
+    # Turns (TURN_TOKENS) widen the bound by TURN_TOKENS / w (the lightest).
+    bound = 2 * (log.largest_step + TURN_TOKENS / min(log.weights.values(), default=1))
     checked = 0
     for service, backlogged in log.history[start_at + 1 :]:
         if not users <= backlogged:
@@ -256,11 +256,12 @@ def test_plenty_earns_no_debt(limited) -> None:
 
 
 def test_a_saturated_engine_keeps_its_batch_between_turns(limited) -> None:
-    """Requests keep their active slot for a turn (TURN_STEPS): every change
+    """Requests keep their active slot for a turn (TURN_TOKENS): every change
     of the batch costs vLLM's model runner work. Two level users of 16
     streams on 3 slots: rotating every step would bring 3 new requests into
-    the batch per step; turns bring about 3 per TURN_STEPS steps, and the
-    users still get even shares."""
+    the batch per step; with turns the batch changes only when the third
+    slot passes to the other user, once it is TURN_TOKENS behind (about once
+    per 2 x TURN_TOKENS steps), and the users still get even shares."""
     h = start(limited, {"a": Tenant(16), "b": Tenant(16)}, 3)
     for _ in range(50):
         h.step(STEP_NS)
@@ -271,10 +272,10 @@ def test_a_saturated_engine_keeps_its_batch_between_turns(limited) -> None:
         batch = {d.request_id for d in h.dispatches[before:]}
         entered += len(batch - previous)
         previous = batch
-    assert entered / steps <= 3 * 2 / TURN_STEPS, entered / steps
+    assert entered / steps <= 1 / TURN_TOKENS, entered / steps
     got = Counter(d.user for d in h.dispatches[start_at:] if d.samples)
     assert sum(got.values()) >= 3 * steps - 3  # every slot used
-    assert abs(got["a"] - got["b"]) <= 2 * TURN_STEPS, got
+    assert abs(got["a"] - got["b"]) <= 2 * TURN_TOKENS, got
     h.settle()
 
 

@@ -25,14 +25,11 @@ from typing import Any
 # its own prefix, so that they cannot collide with vLLM's).
 USER_ATTR = "output_rate_user"
 LAST_SERVED_ATTR = "output_rate_last_served_step"
-# The step at which a request's current run of consecutive steps began.
-TURN_START_ATTR = "output_rate_turn_start_step"
 
 # For map() and filter(): the per-request passes then run in C, without a
 # Python call per request.
 user_of = attrgetter(USER_ATTR)
 last_served_of = attrgetter(LAST_SERVED_ATTR)
-turn_start_of = attrgetter(TURN_START_ATTR)
 _is_prefill_chunk = attrgetter("is_prefill_chunk")
 
 

@@ -48,13 +48,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-# A request given an active slot keeps it for up to this many consecutive
-# steps while its user is within that many tokens (over its weight) of the
-# others: every change of the batch costs vLLM's model runner a rebuild of
-# its persistent batch, and rotating every step cost the tiny model's
-# saturated engine about 200 us of a 2.7 ms step (docs/architecture.md,
-# "Turns"). It widens the bound by TURN_STEPS / weight.
-TURN_STEPS = 16
+# A request served in the last step keeps its active slot (its turn) while
+# its user is within this many tokens (over its weight) of the user owed
+# most: every change of the batch costs vLLM's model runner a rebuild of its
+# persistent batch (docs/architecture.md, "Turns"). So a request runs on
+# while its user keeps the slot, as in stock vLLM, and a slot passes between
+# two users only when one is this far ahead. It widens the bound by
+# TURN_TOKENS / weight.
+TURN_TOKENS = 16
 # What one prompt token computed costs, relative to one output token (VTC's
 # evaluation weighs input tokens at half an output token). Prefill is paid
 # once per request; decoding is what users wait for.
@@ -67,12 +68,6 @@ NS_PER_S = 1_000_000_000
 # Longest gap between two steps credited to floors (an idle engine does not
 # step: no-one is below its floor because nothing ran).
 MAX_CREDIT_GAP_NS = 1_000_000_000
-
-
-def steps_left_in_turn(started: int, step: int) -> int:
-    """Steps left at ``step`` in a turn begun at step ``started`` (served in
-    every step since)."""
-    return max(0, TURN_STEPS - (step - started))
 
 
 class FairShare:
@@ -125,7 +120,7 @@ class FairShare:
         self, user: str, k: int, last_served: int, turn_left: int = 0
     ) -> tuple[int, float, int]:
         """The rank of ``user``'s ``k``-th slot in this step (0-based), for a
-        request with ``turn_left`` steps left in its turn."""
+        request whose turn keeps it on by ``turn_left`` tokens (0: none)."""
         # service() and weight() inline: the ranking and every kept step
         # (kept_batch) call this a few times per step.
         below = self._credit.get(user, 0.0) - k >= 1.0

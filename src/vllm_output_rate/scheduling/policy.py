@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
@@ -77,21 +76,15 @@ from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling import kv_room
 from vllm_output_rate.scheduling.demand import (
     LAST_SERVED_ATTR,
-    TURN_START_ATTR,
     USER_ATTR,
     Demand,
     FirstTokens,
     last_served_of,
-    turn_start_of,
     user_of,
 )
 from vllm_output_rate.scheduling.dispatch_log import DispatchLog
 from vllm_output_rate.scheduling.engine_modes import EngineModes
-from vllm_output_rate.scheduling.fair_share import (
-    TURN_STEPS,
-    FairShare,
-    steps_left_in_turn,
-)
+from vllm_output_rate.scheduling.fair_share import TURN_TOKENS, FairShare
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.operator_view import OperatorView
@@ -237,7 +230,6 @@ class OutputRatePolicy(OperatorView):
             user_or_anonymous(params.extra_args if params is not None else None),
         )
         setattr(request, LAST_SERVED_ATTR, -1)
-        setattr(request, TURN_START_ATTR, -1)
 
     def added(self, request: Request) -> None:
         user = user_of(request)
@@ -305,7 +297,7 @@ class OutputRatePolicy(OperatorView):
         floors = self.fair.floors
         if floors and not floors.keys().isdisjoint(self.demand.unfinished):
             return False  # floor credit grows with time: rank again
-        return kept.still_first(self.step, self.fair, self._user_last_served)
+        return kept.still_first(self.fair, self._user_last_served)
 
     def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
@@ -324,28 +316,11 @@ class OutputRatePolicy(OperatorView):
             return None
         if kept is None:
             assert ranking is not None
-            # When a request's turn ends it ranks behind its user's other
-            # residents, if it has any: the ranking turns to them then.
-            resident = ranking.resident
             kept = KeptBatch(
-                until=min(
-                    (
-                        turn_start_of(r) + TURN_STEPS
-                        for user, (_, requests, _) in ranking.last_picks.items()
-                        if resident[user] > len(requests)
-                        for r in requests
-                    ),
-                    default=sys.maxsize,
-                ),
                 last_picks=ranking.last_picks,
                 next_slots=ranking.next_slots,
                 rivals_key=ranking.rivals_key,
                 waiting_users=frozenset(slots.left_waiting() if slots else ()),
-                turn_starts={
-                    user: min(map(turn_start_of, requests))
-                    for user, (_, requests, in_turn) in ranking.last_picks.items()
-                    if in_turn
-                },
             )
         step = self.step
         for _, requests, _ in kept.last_picks.values():
@@ -586,8 +561,6 @@ class OutputRatePolicy(OperatorView):
         for request_id, request in self._charged.items():
             count = charges[request_id] if charges is not None else 1
             if request_id in scheduled:
-                if last_served_of(request) != self.step - 1:
-                    setattr(request, TURN_START_ATTR, self.step)
                 setattr(request, LAST_SERVED_ATTR, self.step)
                 served[user_of(request)] += count
             else:
@@ -683,12 +656,9 @@ class OutputRatePolicy(OperatorView):
         fair.credit_floors(now_ns, self.demand.unfinished, received)
 
     def _turn_left(self, request: Request) -> int:
-        """Steps left in the request's turn (``fair_share.TURN_STEPS``): 0
-        unless it was served in the previous step."""
-        step = self.step
-        if last_served_of(request) != step - 1:
-            return 0
-        return steps_left_in_turn(turn_start_of(request), step)
+        """The request's turn (``fair_share.TURN_TOKENS``): kept on while it
+        was served in the previous step, none otherwise."""
+        return TURN_TOKENS if last_served_of(request) == self.step - 1 else 0
 
     def _prompt_tokens(self, output: SchedulerOutput) -> Mapping[str, int]:
         """Prompt tokens computed in the step per user (prefill, recompute):
