@@ -31,7 +31,9 @@ as in section 1b
 of 36 requests of two users, paired rounds; a batch that ends leaves a few
 steps with fewer requests than slots, more so on ours, whose requests all
 progress together: 36 requests make that tail about 1 % of a batch).
-Then ``fair_share_cost``: the scheduler step when the ranking runs, at
+Then ``batch_changes``: how often each scheduler's batch changes on the
+engine load (scheduler level, deterministic), and ``fair_share_cost``: the
+scheduler step when the ranking runs, at
 R = 4,096 with U = 256 and 10,000 (no server).
 
 Usage::
@@ -384,9 +386,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(quick: bool, work_dir: Path) -> dict[str, Any]:
     """For ``make bench`` (``benchmarks.suite``): the saturated load on both
-    servers, the engine's throughput without HTTP, then the ranking's step
-    cost."""
-    from benchmarks import fair_share_cost
+    servers, the engine's throughput without HTTP, how often each engine's
+    batch changes, then the ranking's step cost."""
+    from benchmarks import batch_changes, fair_share_cost
     from benchmarks.engine_throughput import SATURATED_KINDS, engine_throughput
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
@@ -398,6 +400,7 @@ def run(quick: bool, work_dir: Path) -> dict[str, Any]:
     results["engine"] = engine_throughput(
         model, engine_dir, settle=lambda: 0.0, quick=quick, kinds=SATURATED_KINDS
     )
+    results["batch_changes"] = batch_changes.run(model)
     requests = 1024 if quick else 4096
     rounds = 10 if quick else 30
     results["cost"] = {

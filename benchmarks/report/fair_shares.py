@@ -251,6 +251,9 @@ def table(results: dict[str, Any]) -> str:
             "",
             *_engine_time(engine),
         ]
+    changes = results.get("batch_changes")
+    if changes:
+        lines += ["", _batch_changes(changes)]
     cost = results.get("cost")
     if cost:
         lines += [
@@ -272,6 +275,23 @@ def table(results: dict[str, Any]) -> str:
                 f"| {row['step_ratio_to_stock']:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _batch_changes(changes: dict[str, Any]) -> str:
+    """How often each scheduler's batch changed (runs since 2026-12-03)."""
+    stock, ours = changes["stock"], changes["ours"]
+    return (
+        "How often the batch changes, the model runner's cost above "
+        "(scheduler level, vLLM's real scheduler and a fake clock, "
+        f"`PYTHONPATH=tests:. python -m benchmarks.batch_changes --steps "
+        f"{changes['steps']}`: the engine load, {changes['streams']} streams "
+        f"of {changes['max_tokens']} tokens kept busy, for {changes['steps']:,} "
+        f"steps): the set of requests scheduled changed {stock['changes']:,} "
+        f"times on stock and {ours['changes']:,} on ours, which kept the last "
+        f"ranking's batch in {ours['kept_steps']:,} steps; the two users' "
+        f"scheduled tokens differed by at most {stock['largest_gap']} on stock "
+        f"and {ours['largest_gap']} on ours."
+    )
 
 
 def _round_load(engine: dict[str, Any]) -> str:

@@ -411,3 +411,25 @@ def test_the_judged_users_streams_open_first() -> None:
 
     assert opening_order({"hog": 32, "floored": 2}) == ["floored", "hog"]
     assert opening_order({"warm-up": 2}) == ["warm-up"]
+
+
+def test_the_fair_shares_section_reports_batch_changes_when_counted(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.report import fair_shares
+
+    results = fair_results(2 / 3, 0.99)
+    assert "How often the batch changes" not in fair_shares.section(
+        results, tmp_path, tmp_path
+    )
+    results["batch_changes"] = {
+        "steps": 3000,
+        "streams": 36,
+        "max_tokens": 64,
+        "stock": {"changes": 46, "kept_steps": None, "largest_gap": 64},
+        "ours": {"changes": 229, "kept_steps": 2647, "largest_gap": 21},
+    }
+    text = fair_shares.section(results, tmp_path, tmp_path)
+    assert "changed 46 times on stock and 229 on ours" in text
+    assert "kept the last ranking's batch in 2,647 steps" in text
+    assert "--steps 3000" in text
