@@ -89,11 +89,11 @@ def share_slots(
     """Hand a step's active slots out one at a time, best ``key_of`` first.
 
     ``key_of(user, k, turn)`` ranks the ``k``-th slot of ``user`` in this
-    step, for a request with ``turn`` steps left in its turn
+    step, for a request whose turn keeps it on by ``turn`` tokens
     (``fair_share.FairShare.key``: the user owed most first, weighted
     round-robin in tokens, a request in its turn kept on). Each user's
-    requests take turns: those in their turn (``turn_left``) first, then the
-    one served least recently. A turn is kept on only within the user's
+    requests in their turn (``turn_left``) go first, then the one served
+    least recently. A turn is kept on only within the user's
     weighted share of the slots (``weight_of``, ``weighted_shares``): a
     turn never holds a slot another user is owed by weight. With
     ``priority_of``, a lower priority value is served first (vLLM's
