@@ -62,12 +62,11 @@ class SharedSlots(NamedTuple, Generic[R]):
     order: list[R]  # the requests, in the order vLLM should serve them
     granted: dict[str, int]  # slots handed to waiting requests, per user
     # For ``kept_batch``: each user's last running slot picked (its k, the
-    # user's requests picked, whether that slot's turn was kept on); its
-    # running requests ranked; the next slot k of each picked user left
+    # user's requests picked, whether that slot's turn was kept on); the
+    # next slot k of each picked user left
     # unpicked; the best (key, user) of the users picked nothing (None:
     # none), as the ranking's heap orders them.
     last_picks: dict[str, tuple[int, list[R], bool]]
-    resident: dict[str, int]
     next_slots: dict[str, int]
     rivals_key: Any
 
@@ -140,10 +139,8 @@ def share_slots(
     def key(user: str, k: int, queue: Sequence[R]) -> Any:
         return key_of(user, k, turns(queue[k]) if kept_on(user, k, queue) else 0)
 
-    queues_seen: dict[str, list[R]] = {}
     for priority in sorted(classes):
         queues = {u: sorted(reqs, key=order) for u, reqs in classes[priority].items()}
-        queues_seen.update(queues)
         candidates = set(queues)
         candidates.update(waiting if priority == 0 else ())
         available = {}
@@ -197,9 +194,8 @@ def share_slots(
             deferred.extend(rest[:within])
             over_limit.extend(rest[within:])
         ordered.extend(deferred)
-    resident = {user: len(queues_seen.get(user, ())) for user in last_picks}
     return SharedSlots(
-        ordered + over_limit, granted, last_picks, resident, next_slots, rivals_key
+        ordered + over_limit, granted, last_picks, next_slots, rivals_key
     )
 
 
