@@ -65,6 +65,7 @@ def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
     for user in ENGINE_LOAD_USERS:
         add(user)
     policy = getattr(h.scheduler, "output_rate", None)
+    users = set(ENGINE_LOAD_USERS)
     scheduled: Counter[str] = Counter()
     previous: frozenset[str] | None = None
     changes = kept = largest_gap = 0
@@ -77,7 +78,7 @@ def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
         if policy is not None and policy._keeping:
             kept += 1
         scheduled.update(user_by_id[request_id] for request_id in batch)
-        counts = [scheduled[user] for user in set(ENGINE_LOAD_USERS)]
+        counts = [scheduled[user] for user in users]
         largest_gap = max(largest_gap, max(counts) - min(counts))
         for request_id in [r for r in user_by_id if r not in h.scheduler.requests]:
             add(user_by_id.pop(request_id))

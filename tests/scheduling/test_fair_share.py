@@ -260,8 +260,9 @@ def test_a_saturated_engine_keeps_its_batch_between_turns(limited) -> None:
     of the batch costs vLLM's model runner work. Two level users of 16
     streams on 3 slots: rotating every step would bring 3 new requests into
     the batch per step; with turns the batch changes only when the third
-    slot passes to the other user, once it is TURN_TOKENS behind (about once
-    per 2 x TURN_TOKENS steps), and the users still get even shares."""
+    slot passes to the other user, once its holder is TURN_TOKENS ahead
+    (about once per 2 x TURN_TOKENS steps), and the users still get even
+    shares."""
     h = start(limited, {"a": Tenant(16), "b": Tenant(16)}, 3)
     for _ in range(50):
         h.step(STEP_NS)

@@ -63,9 +63,9 @@ class SharedSlots(NamedTuple, Generic[R]):
     granted: dict[str, int]  # slots handed to waiting requests, per user
     # For ``kept_batch``: each user's last running slot picked (its k, the
     # user's requests picked, whether that slot's turn was kept on); the
-    # next slot k of each picked user left
-    # unpicked; the best (key, user) of the users picked nothing (None:
-    # none), as the ranking's heap orders them.
+    # next slot k of each picked user left unpicked; the best (key, user) of
+    # the users picked nothing (None: none), as the ranking's heap orders
+    # them.
     last_picks: dict[str, tuple[int, list[R], bool]]
     next_slots: dict[str, int]
     rivals_key: Any
