@@ -139,14 +139,22 @@ class FairShare:
         self,
         output_tokens: Mapping[str, int],
         prompt_tokens: Mapping[str, int],
-    ) -> None:
-        """Add a step's service: output tokens and prompt tokens computed."""
+    ) -> float:
+        """Add a step's service: output tokens and prompt tokens computed.
+        Returns a bound on how much one user's counter grew (the largest
+        output charge plus the largest prompt charge)."""
         service, level, weights = self._service, self.level, self.weights
+        grown = 0.0
         for counts, cost in ((output_tokens, 1.0), (prompt_tokens, PREFILL_TOKEN_COST)):
+            largest = 0.0
             for user, count in counts.items():
                 own = service.get(user, level)
-                weight = weights.get(user, DEFAULT_WEIGHT)
-                service[user] = max(own, level) + cost * count / weight
+                added = cost * count / weights.get(user, DEFAULT_WEIGHT)
+                service[user] = (own if own > level else level) + added
+                if added > largest:
+                    largest = added
+            grown += largest
+        return grown
 
     def backlogged(self, users: Collection[str], capped: Collection[str]) -> None:
         """Raise the level to the lowest counter among the users that had a

@@ -18,6 +18,13 @@ as ranking afresh could not pick otherwise:
   the level only rises, so their keys cannot fall). A user's own next slot
   always ranks behind its last pick.
 
+The keys are not looked at in every step: a look that finds every pick
+ahead by a lead of ``d`` (counter units) holds while the counters have
+grown by less than ``d`` in all, since no rival's key falls and no pick's
+counter, read at the level, grows in a step by more than the most one
+user was charged (tokens / weight) or the level rose (``FairShare.charge``,
+``FairShare.backlogged``). So most kept steps compare two numbers.
+
 So a kept step serves what a ranked step would have, and the bound on the
 service difference (docs/architecture.md, "Fair shares") is unchanged. The
 check is O(users served), never O(resident requests).
@@ -25,6 +32,7 @@ check is O(users served), never O(resident requests).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,10 +55,32 @@ class KeptBatch:
     waiting_users: frozenset[str]  # claimants left waiting (backlogged)
     requests: int = 0  # vLLM's unfinished requests after the last step
     running: int = 0  # and its running ones
+    # How far every pick ranked ahead of every rival at the last look at the
+    # keys, less what the counters can have grown since (``still_first``).
+    slack: float = 0.0
 
-    def still_first(self, fair: FairShare, user_last_served: Mapping[str, int]) -> bool:
+    def still_first(
+        self, fair: FairShare, user_last_served: Mapping[str, int], grown: float
+    ) -> bool:
         """Whether ranking afresh now would pick the same batch (given that
-        nothing it reads has changed: the caller checks that)."""
+        nothing it reads has changed: the caller checks that). ``grown``:
+        how much any user's counter, as the ranking reads it, can have grown
+        since the last call (``FairShare.charge`` and the level's rise)."""
+        self.slack -= grown
+        if self.slack > _rounding(fair.level):
+            return True
+        lead = self._lead(fair, user_last_served)
+        if lead is None:
+            return False
+        self.slack = lead
+        return True
+
+    def _lead(
+        self, fair: FairShare, user_last_served: Mapping[str, int]
+    ) -> float | None:
+        """How far every pick's key ranks ahead of every rival's, in
+        counter units (0: by a tie-break or a floor only; infinite: no
+        rival); None if some rival now ranks ahead of a pick."""
         served = user_last_served.get
         key = fair.key
         # (key, user), as the ranking's heap orders them (as
@@ -60,6 +90,7 @@ class KeptBatch:
         next_keys = sorted(
             ((True, key(u, k, served(u, -1), 0)), u) for u, k in self.next_slots.items()
         )[:2]
+        lead = math.inf
         for user, (k, _, in_turn) in self.last_picks.items():
             rivals = [entry for entry in next_keys if entry[1] != user]
             if self.rivals_key is not None:
@@ -70,6 +101,17 @@ class KeptBatch:
             # policy keeps no batch otherwise), so each is in its turn.
             turn = TURN_TOKENS if in_turn else 0
             pick = ((True, key(user, k, served(user, -1), turn)), user)
-            if pick > min(rivals):
-                return False
-        return True
+            first = min(rivals)
+            if pick > first:
+                return None
+            (pick_floor, pick_counter, _), (floor, counter, _) = pick[0][1], first[0][1]
+            # Below a floor ranks first whatever the counters, and floor
+            # credit moves with time: no lead to count on.
+            lead = min(lead, counter - pick_counter if pick_floor == floor else 0.0)
+        return lead
+
+
+def _rounding(level: float) -> float:
+    """A lead below this may be the counters' floating-point rounding: check
+    the keys again (they are sums of tokens / weight, up to ``level``)."""
+    return 1e-6 + 1e-12 * abs(level)

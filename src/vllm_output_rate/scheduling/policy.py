@@ -185,6 +185,8 @@ class OutputRatePolicy(OperatorView):
         self._ranking: SharedSlots[Request] | None = None
         self._kept: KeptBatch | None = None
         self._keeping = False  # this step keeps the batch
+        # The most a user's counter grew in the last step (kept_batch.py).
+        self._fair_growth = 0.0
         # Resident slots and KV for users with budget (slow steps only).
         self.residency = Residency()
         self.slots: StepSlots | None = None
@@ -297,7 +299,7 @@ class OutputRatePolicy(OperatorView):
         floors = self.fair.floors
         if floors and not floors.keys().isdisjoint(self.demand.unfinished):
             return False  # floor credit grows with time: rank again
-        return kept.still_first(self.fair, self._user_last_served)
+        return kept.still_first(self.fair, self._user_last_served, self._fair_growth)
 
     def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
@@ -650,9 +652,12 @@ class OutputRatePolicy(OperatorView):
                 # One user alone with requests waiting: it is backlogged
                 # (steps of one user do not rank, see _crowded).
                 backlogged = unfinished.keys()
+        self._fair_growth = 0.0
         if backlogged:
-            fair.charge(received, self._prompt_tokens(output))
+            level = fair.level
+            grown = fair.charge(received, self._prompt_tokens(output))
             fair.backlogged(backlogged, self.budget.refused_users)
+            self._fair_growth = max(grown, fair.level - level)
         fair.credit_floors(now_ns, self.demand.unfinished, received)
 
     def _turn_left(self, request: Request) -> int:
