@@ -17,9 +17,14 @@ Also counted: ours' steps that kept the last ranking's batch
 (``kept_batch.py``) and the largest gap between the two users' tokens.
 Deterministic (no timing), so one run is the figure.
 
+``--time ROUNDS`` times the scheduler instead (``time_side_by_side``):
+stock and ours stepped in turn in one process, each step's ``schedule()``
+and ``update_from_output()`` timed by the harness, ours' kept and ranked
+steps apart. Noisy machines: compare the two columns of one run.
+
 Usage::
 
-    PYTHONPATH=tests:. python -m benchmarks.batch_changes [--steps 3000]
+    PYTHONPATH=tests:. python -m benchmarks.batch_changes [--steps 3000] [--time 3]
 """
 
 from __future__ import annotations
@@ -43,52 +48,104 @@ STEPS = 3000
 FAR_LIMIT = 1e6
 
 
+class EngineLoad:
+    """Section 9's engine load on one scheduler, ended requests replaced."""
+
+    def __init__(self, model: str, ours: bool) -> None:
+        limits = (
+            {"default_user_output_tokens_per_second": FAR_LIMIT, **FAIRNESS_CONFIG}
+            if ours
+            else None
+        )
+        self.h = make_scheduler(
+            model,
+            limits=limits,
+            max_num_seqs=ENGINE_LIMITS["max_num_seqs"],
+            max_num_active_seqs=ENGINE_LIMITS["max_num_active_seqs"],
+        )
+        self.policy = getattr(self.h.scheduler, "output_rate", None)
+        self.user_by_id: dict[str, str] = {}
+        for user in ENGINE_LOAD_USERS:
+            self._add(user)
+
+    def _add(self, user: str) -> None:
+        request = self.h.add(user, prompt_len=PROMPT_TOKENS, max_tokens=MAX_TOKENS)
+        self.user_by_id[request.request_id] = user
+
+    def step(self) -> dict[str, str]:
+        """One step; returns the requests it scheduled, with their users."""
+        output = self.h.step(STEP_NS)
+        batch = {r: self.user_by_id[r] for r in output.num_scheduled_tokens}
+        requests = self.h.scheduler.requests
+        for request_id in [r for r in self.user_by_id if r not in requests]:
+            self._add(self.user_by_id.pop(request_id))
+        return batch
+
+    @property
+    def kept(self) -> bool:
+        """Whether the last step kept the last ranking's batch (ours)."""
+        return self.policy is not None and self.policy._keeping
+
+    @property
+    def step_ns(self) -> int:
+        """The scheduler's time in the last step: schedule() and the
+        update_from_output() of the step fed back."""
+        return self.h.schedule_ns + self.h.update_ns
+
+
 def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
     """Run the load for ``steps`` steps on one scheduler and count."""
-    limits = (
-        {"default_user_output_tokens_per_second": FAR_LIMIT, **FAIRNESS_CONFIG}
-        if ours
-        else None
-    )
-    h = make_scheduler(
-        model,
-        limits=limits,
-        max_num_seqs=ENGINE_LIMITS["max_num_seqs"],
-        max_num_active_seqs=ENGINE_LIMITS["max_num_active_seqs"],
-    )
-    user_by_id: dict[str, str] = {}
-
-    def add(user: str) -> None:
-        request = h.add(user, prompt_len=PROMPT_TOKENS, max_tokens=MAX_TOKENS)
-        user_by_id[request.request_id] = user
-
-    for user in ENGINE_LOAD_USERS:
-        add(user)
-    policy = getattr(h.scheduler, "output_rate", None)
+    load = EngineLoad(model, ours)
     users = set(ENGINE_LOAD_USERS)
     scheduled: Counter[str] = Counter()
     previous: frozenset[str] | None = None
     changes = kept = largest_gap = 0
     for _ in range(steps):
-        output = h.step(STEP_NS)
-        batch = frozenset(output.num_scheduled_tokens)
-        if previous is not None and batch != previous:
+        batch = load.step()
+        if previous is not None and batch.keys() != previous:
             changes += 1
-        previous = batch
-        if policy is not None and policy._keeping:
-            kept += 1
-        scheduled.update(user_by_id[request_id] for request_id in batch)
+        previous = frozenset(batch)
+        kept += load.kept
+        scheduled.update(batch.values())
         counts = [scheduled[user] for user in users]
         largest_gap = max(largest_gap, max(counts) - min(counts))
-        for request_id in [r for r in user_by_id if r not in h.scheduler.requests]:
-            add(user_by_id.pop(request_id))
-    h.settle()
+    load.h.settle()
     return {
         "steps": steps,
         "changes": changes,
-        "kept_steps": kept if policy is not None else None,
+        "kept_steps": kept if load.policy is not None else None,
         "scheduled": dict(scheduled),
         "largest_gap": largest_gap,
+    }
+
+
+def time_side_by_side(
+    model: str, steps: int = STEPS, warmup: int = 200
+) -> dict[str, float]:
+    """The scheduler's mean time a step (µs), stock and ours stepped in
+    turn in one process so that both see the same machine state; ours'
+    kept and ranked steps apart. The harness's own work is outside."""
+    stock, ours = EngineLoad(model, ours=False), EngineLoad(model, ours=True)
+    for _ in range(warmup):
+        stock.step()
+        ours.step()
+    stock_ns: list[int] = []
+    kept_ns: list[int] = []
+    ranked_ns: list[int] = []
+    for _ in range(steps):
+        stock.step()
+        stock_ns.append(stock.step_ns)
+        ours.step()
+        (kept_ns if ours.kept else ranked_ns).append(ours.step_ns)
+    stock.h.settle()
+    ours.h.settle()
+    ours_ns = kept_ns + ranked_ns
+    return {
+        "stock_us": sum(stock_ns) / len(stock_ns) / 1e3,
+        "ours_us": sum(ours_ns) / len(ours_ns) / 1e3,
+        "kept_us": sum(kept_ns) / max(len(kept_ns), 1) / 1e3,
+        "ranked_us": sum(ranked_ns) / max(len(ranked_ns), 1) / 1e3,
+        "kept_steps": len(kept_ns),
     }
 
 
@@ -108,8 +165,26 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.batch_changes")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--time",
+        type=int,
+        metavar="ROUNDS",
+        default=0,
+        help="time the scheduler instead, stock and ours side by side",
+    )
     args = parser.parse_args(argv)
-    results = run(str(build_tiny_model()), args.steps)
+    model = str(build_tiny_model())
+    for _ in range(args.time):
+        row = time_side_by_side(model, args.steps)
+        print(
+            f"stock {row['stock_us']:.1f} us, ours {row['ours_us']:.1f} us "
+            f"({row['ours_us'] - row['stock_us']:+.1f}): kept steps "
+            f"{row['kept_us']:.1f} us ({row['kept_steps']}), ranked "
+            f"{row['ranked_us']:.1f} us"
+        )
+    if args.time:
+        return 0
+    results = run(model, args.steps)
     for name in ("stock", "ours"):
         row = results[name]
         print(

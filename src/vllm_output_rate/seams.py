@@ -46,7 +46,13 @@ limit binds) relies on two more facts: ``schedule()`` looks the hook up on
 ``self`` at each call (so an instance attribute can stand in for the
 override during a step), and ``_update_after_schedule`` sets
 ``Request.is_prefill_chunk`` on every scheduled request before ``schedule()``
-returns (so the step's sampled tokens can be counted afterwards). Each
+returns (so the step's sampled tokens can be counted afterwards). A kept
+step (``scheduling/kept_batch.py``) sets the running requests beyond its
+batch aside, off ``running`` for the duration of ``schedule()``, which
+serves running requests only from that list and preempts, when a KV block
+cannot be had, only from it (so the policy first checks that every request
+of the batch finds a block in each of ``kv_cache_manager``'s
+``num_kv_cache_groups``). Each
 step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
 ``_free_request``, read before ``schedule()`` clears it), with a recount
 whenever it disagrees with ``Scheduler.requests``; and when vLLM's
@@ -191,6 +197,11 @@ def preempt(scheduler: SchedulerHost, request: Request) -> None:
 def num_free_kv_blocks(scheduler: SchedulerHost) -> int:
     """KV blocks vLLM can allocate now (free or evictable cached ones)."""
     return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def num_kv_cache_groups(scheduler: SchedulerHost) -> int:
+    """KV cache groups: a decoding request may take a new block in each."""
+    return int(scheduler.kv_cache_manager.num_kv_cache_groups)
 
 
 def kv_watermark_blocks(scheduler: SchedulerHost) -> int:
@@ -350,6 +361,24 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
         "Scheduler._preempt_request",
         "self.waiting.prepend_request(request)",
         "Scheduler._preempt_request puts the request back into waiting",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "while req_index < len(self.running)",
+        "Scheduler.schedule serves the running requests from self.running",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "preempted_req = self.running.pop()",
+        "Scheduler.schedule preempts the last request of self.running",
+    ),
+    (
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager.__init__",
+        "self.num_kv_cache_groups =",
+        "KVCacheManager counts its KV cache groups",
     ),
     (
         "vllm.v1.core.kv_cache_manager",

@@ -100,6 +100,7 @@ from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.seams import (
     inflight_prefills,
     num_free_kv_blocks,
+    num_kv_cache_groups,
     preempt,
 )
 from vllm_output_rate.store.leases import LeasedLimiter
@@ -149,6 +150,7 @@ class OutputRatePolicy(OperatorView):
         )
         # Speculative decoding's accounts (None without it). `late_outputs`:
         # a step's output can arrive after the next step was scheduled.
+        self._late_outputs = late_outputs
         self.speculative = (
             SpeculativeLedger(num_spec_tokens, late_refunds=late_outputs)
             if num_spec_tokens > 0
@@ -187,6 +189,8 @@ class OutputRatePolicy(OperatorView):
         self._keeping = False  # this step keeps the batch
         # The most a user's counter grew in the last step (kept_batch.py).
         self._fair_growth = 0.0
+        # Running requests off vLLM's running list for a kept step.
+        self._set_aside: list[Request] = []
         # Resident slots and KV for users with budget (slow steps only).
         self.residency = Residency()
         self.slots: StepSlots | None = None
@@ -243,9 +247,10 @@ class OutputRatePolicy(OperatorView):
     def begin_step(self) -> tuple[bool, dict[Request, float]]:
         """Reserve the step's budget and order the running list.
 
-        Returns whether the step is a fast one (nobody can be refused and no
-        active slot is contested) and the arrival times moved for the step
-        (give them to ``end_step_cleanup``).
+        Returns whether vLLM's own hook stands in for ours in this step (a
+        fast step: nobody can be refused and no active slot is contested; or
+        a kept step that can schedule only its batch) and the arrival times
+        moved for the step (give them to ``end_step_cleanup``).
         """
         host = self._host
         self.step += 1
@@ -281,7 +286,7 @@ class OutputRatePolicy(OperatorView):
             # may take one, so vLLM's waiting scan ends at once.
             host.max_num_active_reqs = 0
             self._admission_closed = True
-            return fast, {}
+            return self._set_aside_unkept(), {}
         self._kept = None
         if not fast and len(host.requests) > len(host.running):
             self._plan_residency()
@@ -300,6 +305,43 @@ class OutputRatePolicy(OperatorView):
         if floors and not floors.keys().isdisjoint(self.demand.unfinished):
             return False  # floor credit grows with time: rank again
         return kept.still_first(self.fair, self._user_last_served, self._fair_growth)
+
+    def _set_aside_unkept(self) -> bool:
+        """Whether vLLM's own hook can stand in for ours in this kept step.
+
+        It can when the step can schedule nothing but the kept batch: the
+        batch is the first ``active_cap`` running requests (every running
+        request decodes one token, so the hook would have made them the
+        active ones and deferred the rest), and the rest are set aside, off
+        ``running`` for the duration of vLLM's step (``end_step_cleanup``
+        puts them back behind the batch, where they were). Their users
+        count as deferred, as the hook would have counted them. Then a kept
+        step costs what a fast one does: no Python call per request, tokens
+        charged after the step from what it scheduled.
+
+        Not with speculative decoding (a chunk's charge depends on its
+        drafts), not when a step's output comes late (asynchronous
+        scheduling: vLLM skips a request at its last token before the hook),
+        not while a prefill continues (its chunk may not sample), and only
+        when every request of the batch finds a free KV block for its token
+        in each KV cache group (vLLM would preempt the last request of
+        ``running``: with the rest set aside, one of the batch).
+        """
+        host, cap = self._host, self.active_cap
+        if (
+            self.speculative is not None
+            or self._late_outputs
+            or inflight_prefills(host)
+            or num_free_kv_blocks(host)
+            < kv_room.margin(host) + cap * num_kv_cache_groups(host)
+        ):
+            return False
+        running = host.running
+        if len(running) > cap:
+            self._set_aside = running[cap:]
+            del running[cap:]
+            self._deferred_users.update(map(user_of, self._set_aside))
+        return True
 
     def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
@@ -347,14 +389,20 @@ class OutputRatePolicy(OperatorView):
     def end_step_cleanup(self, moved_arrivals: dict[Request, float]) -> None:
         """Undo the step's temporary changes (also when vLLM's step raised)."""
         self._host.max_num_active_reqs = self.active_cap
+        if self._set_aside:
+            self._host.running.extend(self._set_aside)
+            self._set_aside = []
         self._restore_arrivals(moved_arrivals)
 
-    def end_step(self, output: SchedulerOutput, fast: bool) -> None:
-        """Charge and refund the step's tokens, and keep statistics."""
+    def end_step(self, output: SchedulerOutput, stock_hook: bool) -> None:
+        """Charge and refund the step's tokens, and keep statistics.
+        ``stock_hook``: vLLM's own hook stood in for ours (``begin_step``)."""
         now_ns = self.limiter.now_ns()
         served: Mapping[str, int]
-        if fast:
+        if stock_hook:
             served, undispatched = self._charge_dispatched(output), NOTHING
+            if self._keeping:
+                self._served_kept_batch(output)
         else:
             served, undispatched = self._sort_charged(output)
             if self.speculative is not None:
@@ -368,6 +416,7 @@ class OutputRatePolicy(OperatorView):
                     self.speculative.charges,
                 )
         self._settle(output, served, undispatched, now_ns)
+        fast = stock_hook and not self._keeping
         self._kept = None if fast else self._batch_to_keep(output)
         if self.slots is not None:
             self.residency.scanned(self.slots)
@@ -379,6 +428,18 @@ class OutputRatePolicy(OperatorView):
             )
             if recomputed:
                 self.stats.record_recomputed(recomputed)
+
+    def _served_kept_batch(self, output: SchedulerOutput) -> None:
+        """What the hook would have noted of a kept step's batch (each of
+        its requests sampled: ``_set_aside_unkept``)."""
+        scheduled, requests, step = (
+            output.num_scheduled_tokens,
+            self._host.requests,
+            self.step,
+        )
+        for request_id in scheduled:
+            setattr(requests[request_id], LAST_SERVED_ATTR, step)
+        self._active_in_step = len(scheduled)
 
     def _give_back_undelivered(self, spec: SpeculativeLedger) -> None:
         """Speculative decoding: return the tokens charged for reported steps

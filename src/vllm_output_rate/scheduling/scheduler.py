@@ -9,10 +9,10 @@ to vLLM's scheduler: ``output_rate``. The overrides here only forward:
 * ``shutdown``: stop a shared store's refresher;
 * ``schedule``: begin the step (reserve budgets, order the running list),
   run vLLM's step, end it (charge, refund, statistics). In a fast step
-  (nobody can be refused, no active slot contested) vLLM's own
-  ``_reserve_prefill_lookahead`` stands in for ours, as an instance
-  attribute for the duration of the step, which saves a Python call per
-  request;
+  (nobody can be refused, no active slot contested) and in a kept step that
+  can schedule only its batch, vLLM's own ``_reserve_prefill_lookahead``
+  stands in for ours, as an instance attribute for the duration of the
+  step, which saves a Python call per request;
 * ``update_from_output``: with speculative decoding, let the policy count
   what each request of the reported step received (no limiter call);
 * ``_reserve_prefill_lookahead``: charge, hold back or skip a chunk;
@@ -127,16 +127,16 @@ class OutputRateMixin(_Host):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         policy = self.output_rate
-        fast, moved_arrivals = policy.begin_step()
-        if fast:
+        stock_hook, moved_arrivals = policy.begin_step()
+        if stock_hook:
             self.__dict__[HOOK] = policy.stock_hook
         try:
             output = super().schedule(throttle_prefills)
         finally:
-            if fast:
+            if stock_hook:
                 del self.__dict__[HOOK]
             policy.end_step_cleanup(moved_arrivals)
-        policy.end_step(output, fast)
+        policy.end_step(output, stock_hook)
         return output
 
     def update_from_output(
