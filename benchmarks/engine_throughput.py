@@ -12,6 +12,15 @@ is kept beside it.
 Each server kind lives in its own child process (``--child``) for the whole
 benchmark, so start-up is paid once; the parent sends ``run`` and reads one
 JSON line per round.
+
+On its own (``make bench`` runs it within sections 1 and 9)::
+
+    PYTHONPATH=tests:. python -m benchmarks.engine_throughput [--saturated] \
+        [--variant small] [--quick] [--work-dir DIR]
+
+``--variant small`` runs a 23 M-parameter model of the same family, whose
+decode step is several times the tiny model's: the plugin's cost per step
+is fixed, so its share of a step depends on the step's length.
 """
 
 from __future__ import annotations
@@ -254,7 +263,15 @@ class _Engine:
         self.log_path = work_dir / f"engine-{kind}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--child", kind, "--model", model],
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.engine_throughput",
+                "--child",
+                kind,
+                "--model",
+                model,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -400,15 +417,53 @@ def engine_throughput(
 
 
 def main() -> None:
+    """A run on its own (section 1b's load, or section 9's with
+    ``--saturated``), or, with ``--child``, one engine of a run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--child",
         choices=(*KINDS, STORE_KIND, *SATURATED_KINDS, *SPECULATIVE_KINDS),
-        required=True,
+        help="(internal) serve one engine kind to the parent",
     )
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="model folder (default: the tiny model)")
+    parser.add_argument(
+        "--variant",
+        default="llama",
+        help="tiny model variant when no --model is given (small: a longer step)",
+    )
+    parser.add_argument("--saturated", action="store_true", help="section 9's load")
+    parser.add_argument("--quick", action="store_true", help="4 rounds, not 16")
+    parser.add_argument("--work-dir", type=Path, default=Path("bench-engine"))
     args = parser.parse_args()
-    _child(args.child, args.model)
+    if args.child:
+        if not args.model:
+            parser.error("--child needs --model")
+        _child(args.child, args.model)
+        return
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+    model = args.model or str(build_tiny_model(variant=args.variant))
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    results = engine_throughput(
+        model,
+        args.work_dir,
+        settle=lambda: 0.0,
+        quick=args.quick,
+        kinds=SATURATED_KINDS if args.saturated else KINDS,
+    )
+    (args.work_dir / "engine-throughput.json").write_text(
+        json.dumps(results, indent=1, default=str)
+    )
+    q1, q3 = results["ratio_quartiles"]
+    print(
+        f"ours / stock {results['ratio_median']:.3f} (quartiles {q1:.2f}-{q3:.2f},"
+        f" {results['rounds']} rounds)"
+    )
+    for kind, timing in (results.get("step_timing") or {}).items():
+        print(
+            f"{kind}: engine step {timing['engine_step_us']:.0f} us, "
+            f"schedule() {timing['schedule_us']:.0f} us"
+        )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,18 @@ DEFAULT_VARIANT = "llama"
 VARIANTS: dict[str, dict[str, Any]] = {
     DEFAULT_VARIANT: {},
     "echo": {"tie_word_embeddings": True, "zero_layer_outputs": True, "embed_scale": 3},
+    # About 23 M parameters: a decode step of several milliseconds on these
+    # CPUs instead of the tiny model's 2, for benchmarks that compare a fixed
+    # per-step cost with a longer step (benchmarks.engine_throughput).
+    "small": {
+        "shape": {
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+        }
+    },
 }
 MARKER_NAME = ".complete"
 SEED = 1234
@@ -263,7 +275,7 @@ def save_model(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     changes = VARIANTS[_check_variant(variant)]
-    shape = dict(MODEL_SHAPE)
+    shape = {**MODEL_SHAPE, **changes.get("shape", {})}
     if "tie_word_embeddings" in changes:
         shape["tie_word_embeddings"] = changes["tie_word_embeddings"]
     config = LlamaConfig(vocab_size=vocab_size, **shape, **ids)
