@@ -45,6 +45,7 @@ from benchmarks.noise import OthersCpu, tree_cpu
 from benchmarks.progress import log
 from benchmarks.servers import DEFAULT_LIMIT
 from vllm_output_rate.demo.server import DEFAULT_ENV
+from vllm_output_rate.demo.tiny_model import DEFAULT_VARIANT, VARIANTS
 
 STREAMS = 32
 MAX_TOKENS = 256
@@ -428,12 +429,15 @@ def main() -> None:
     parser.add_argument("--model", help="model folder (default: the tiny model)")
     parser.add_argument(
         "--variant",
-        default="llama",
+        default=DEFAULT_VARIANT,
+        choices=sorted(VARIANTS),
         help="tiny model variant when no --model is given (small: a longer step)",
     )
     parser.add_argument("--saturated", action="store_true", help="section 9's load")
     parser.add_argument("--quick", action="store_true", help="4 rounds, not 16")
-    parser.add_argument("--work-dir", type=Path, default=Path("bench-engine"))
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path("results/bench-engine")
+    )  # results/ is git-ignored
     args = parser.parse_args()
     if args.child:
         if not args.model:
