@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -258,7 +259,11 @@ def _run_load(
     # within 10 s) is counted and shown, and fails ours' verdicts.
     failed = [r for r in result.records if r.error and "timed out" not in r.error]
     if failed:
-        log("fair shares: failed requests: " + "; ".join(result.error_summary()))
+        # Only the counted ones: the load's own cuts would crowd them out.
+        texts = Counter(str(r.error) for r in failed).most_common(5)
+        log(
+            "fair shares: failed requests: " + "; ".join(f"{n} x {t}" for t, n in texts)
+        )
     figures["failed"] = len(failed)
     return figures
 
