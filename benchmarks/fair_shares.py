@@ -50,7 +50,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -260,10 +259,8 @@ def _run_load(
     failed = [r for r in result.records if r.error and "timed out" not in r.error]
     if failed:
         # Only the counted ones: the load's own cuts would crowd them out.
-        texts = Counter(str(r.error) for r in failed).most_common(5)
-        log(
-            "fair shares: failed requests: " + "; ".join(f"{n} x {t}" for t, n in texts)
-        )
+        summary = result.error_summary(failed=failed)
+        log("fair shares: failed requests: " + "; ".join(summary))
     figures["failed"] = len(failed)
     return figures
 

@@ -32,6 +32,8 @@ class TestLoadResult:
             "1 x HTTP 503: overloaded",
         ]
         assert result.error_summary(limit=1) == ["2 x timed out"]
+        expected = [r for r in result.failed_requests if r.error != "timed out"]
+        assert result.error_summary(failed=expected) == ["1 x HTTP 503: overloaded"]
 
 
 class TestJSONFile:

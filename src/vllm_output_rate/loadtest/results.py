@@ -9,6 +9,7 @@ arrival time, so that a saved run can be summarized again or plotted later.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,13 @@ class LoadResult:
                 return u
         raise KeyError(name)
 
-    def error_summary(self, limit: int = 5) -> list[str]:
-        """The most common error texts of failed requests, with counts."""
+    def error_summary(
+        self, limit: int = 5, failed: Iterable[RequestRecord] | None = None
+    ) -> list[str]:
+        """The most common error texts of failed requests, with counts
+        (of ``failed`` where given: a caller that expects some failures)."""
         counts: dict[str, int] = {}
-        for r in self.failed_requests:
+        for r in self.failed_requests if failed is None else failed:
             text = r.error or f"HTTP {r.status}"
             counts[text] = counts.get(text, 0) + 1
         ranked = sorted(counts.items(), key=lambda kv: -kv[1])
