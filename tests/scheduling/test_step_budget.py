@@ -95,3 +95,12 @@ def test_a_refused_user_is_not_asked_again_in_the_step() -> None:
     for _ in range(5):
         step.has_budget("slow")
     assert limiter.user_calls["slow"] == calls
+
+
+def test_settle_gives_everything_back_in_one_limiter_call() -> None:
+    step, limiter, _ = budget(default=1000)
+    step.begin_step({"a": 3, "b": 2, "c": 1})
+    assert step.spend("a") and step.spend("b") and step.spend("c")
+    step.settle({"c": 1})  # c's token was not dispatched after all
+    assert limiter.calls["refund_many"] == 1 and limiter.calls["refund"] == 0
+    assert +limiter.net == {"a": 1, "b": 1}

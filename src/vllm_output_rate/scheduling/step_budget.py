@@ -6,8 +6,10 @@ could sample at most in the step: one token per unfinished request (one
 plus the draft tokens with speculative decoding). Each sampling request then
 spends its tokens of it with a dictionary update (or the scheduler spends a
 whole step's count at once, ``spend_counts``). At the end of the step,
-everything reserved but not dispatched goes back with one ``refund`` per
-user that has something to give back.
+everything reserved but not dispatched goes back in one ``refund_many``
+call. While every user is far below its limit, the limiter absorbs those
+refunds (they change nothing a later call can see), so that the next step's
+same reservation is renewed in O(1).
 
 This is exactly equivalent to one ``try_take`` per sampled token at the
 step's clock reading, but the limiter's work grows with the number of users,
@@ -121,10 +123,14 @@ class StepBudget:
         user refused in this step may sample again, or None if none was.
         """
         if undispatched or any(self._remaining.values()):
-            for user, reserved in self._reserved.items():
-                unused = self._remaining[user] + undispatched.get(user, 0)
-                if unused:
-                    self.limiter.refund(user, min(unused, reserved))
+            remaining = self._remaining
+            self.limiter.refund_many(
+                {
+                    user: min(unused, reserved)
+                    for user, reserved in self._reserved.items()
+                    if (unused := remaining[user] + undispatched.get(user, 0))
+                }
+            )
         if not self.refused_users:
             return None
         return min(self.limiter.ready_at_ns(user) for user in self.refused_users)
