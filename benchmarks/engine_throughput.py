@@ -466,7 +466,8 @@ def main() -> None:
     for kind, timing in (results.get("step_timing") or {}).items():
         print(
             f"{kind}: engine step {timing['engine_step_us']:.0f} us, "
-            f"schedule() {timing['schedule_us']:.0f} us"
+            f"schedule() {timing['schedule_us']:.0f} us, "
+            f"get_grammar_bitmask() {timing.get('bitmask_us', 0):.0f} us"
         )
 
 

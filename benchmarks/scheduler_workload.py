@@ -95,11 +95,14 @@ def _synthetic_output(scheduler: Any, output: Any) -> Any:
 
 
 def step(harness: Any) -> tuple[Any, int, int]:
-    """One step: (output, ns in schedule(), ns in update_from_output())."""
+    """One step: (output, ns in schedule() and get_grammar_bitmask(), which
+    vLLM's engine calls next and where ours settles the step, ns in
+    update_from_output())."""
     scheduler = harness.scheduler
     harness.clock.advance(STEP_NS)
     t0 = time.perf_counter_ns()
     output = scheduler.schedule()
+    scheduler.get_grammar_bitmask(output)
     t1 = time.perf_counter_ns()
     model_output = _synthetic_output(scheduler, output)
     t2 = time.perf_counter_ns()

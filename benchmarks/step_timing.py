@@ -7,7 +7,8 @@ throughput benchmark installs this module in its engine processes through a
 ``sitecustomize`` hook (``benchmarks.hooks``): it wraps vLLM's
 ``Scheduler.schedule`` (vLLM's own work) and, once the engine core has built
 its scheduler, that instance's ``schedule`` (the whole call, ours included),
-``update_from_output`` and the engine core's whole step, and writes the
+``get_grammar_bitmask`` (where ours settles the step, while the worker runs
+it), ``update_from_output`` and the engine core's whole step, and writes the
 running totals to a JSON file every ``WRITE_EVERY`` steps and when the
 scheduler shuts down. In the model worker's process it times the model
 runner's side of the step (a second file, ``WORKER_SUFFIX``).
@@ -64,6 +65,7 @@ def install(path: str) -> None:
         "schedule_ns": 0,
         "vllm_schedule_ns": 0,
         "update_ns": 0,
+        "bitmask_ns": 0,
         "engine_steps": 0,
         "engine_step_ns": 0,
     }
@@ -100,6 +102,9 @@ def install(path: str) -> None:
         scheduler.schedule = _timed(scheduler.schedule, add_schedule)
         scheduler.update_from_output = _timed(
             scheduler.update_from_output, adder("update_ns")
+        )
+        scheduler.get_grammar_bitmask = _timed(
+            scheduler.get_grammar_bitmask, adder("bitmask_ns")
         )
         # The whole engine-core step: schedule, the model (run by the
         # worker process, waited for here) and update_from_output.
@@ -148,7 +153,8 @@ def _install_worker(path: str) -> None:
 
 def read(path: str) -> dict[str, float] | None:
     """µs per step: ``schedule`` (the whole call), ``vllm_schedule`` (vLLM's
-    own part of it), ``update`` (update_from_output) and ``engine_step``
+    own part of it), ``update`` (update_from_output), ``bitmask``
+    (get_grammar_bitmask: ours settles the step there) and ``engine_step``
     (the engine core's whole step), and when the worker's file is there the
     model runner's ``worker_execute``, ``worker_update_states`` and
     ``worker_forward``; or None if nothing was written."""
@@ -163,6 +169,7 @@ def read(path: str) -> dict[str, float] | None:
         "schedule_us": totals["schedule_ns"] / steps / 1e3,
         "vllm_schedule_us": totals["vllm_schedule_ns"] / steps / 1e3,
         "update_us": totals["update_ns"] / steps / 1e3,
+        "bitmask_us": totals["bitmask_ns"] / steps / 1e3,
         "engine_step_us": totals["engine_step_ns"]
         / max(totals["engine_steps"], 1)
         / 1e3,

@@ -35,6 +35,10 @@ OVERRIDDEN = {
     "add_request",
     "shutdown",
     "update_from_output",
+    "get_grammar_bitmask",
+    "finish_requests",
+    "update_draft_token_ids",
+    "reset_prefix_cache",
     "_reserve_prefill_lookahead",
     "_handle_blocked_waiting_request",
 }

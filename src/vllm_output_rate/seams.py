@@ -36,6 +36,12 @@ calls them:
 
 Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
 ``schedule``, ``add_request``, ``shutdown`` (a shared store's refresher),
+``get_grammar_bitmask`` (the step is settled there: ``EngineCore.step``
+calls it after handing the step to the worker and before waiting for the
+output, so the settling overlaps the model; a source fact below checks the
+call, whose place decides only where the time goes, not what is charged),
+``finish_requests``, ``update_draft_token_ids`` and ``reset_prefix_cache``
+(each settles the step first, as every override does),
 ``update_from_output`` (speculative decoding:
 what each request of the reported step received, from
 ``Request._output_token_ids``; never a limiter call) and the private
@@ -82,7 +88,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,11 +96,11 @@ from vllm_output_rate.vllm_source import LiveSource, Source, StaticSource, vllm_
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
     from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
 
 # The hook the fast path swaps for vLLM's own for one step (an instance
 # attribute shadows the override).
@@ -146,6 +152,24 @@ class SchedulerHost:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        raise NotImplementedError
+
+    # The step is settled at the first of these after schedule().
+    def get_grammar_bitmask(
+        self, scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
+        raise NotImplementedError
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        raise NotImplementedError
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None: ...
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         raise NotImplementedError
 
     def _reserve_prefill_lookahead(
@@ -243,6 +267,26 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ),
     ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ["self"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.get_grammar_bitmask",
+        ["self", "scheduler_output"],
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.finish_requests",
+        ["self", "request_ids", "finished_status"],
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_draft_token_ids",
+        ["self", "draft_token_ids"],
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.reset_prefix_cache",
+        ["self", "reset_running_requests", "reset_connector"],
+    ),
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", ["self"]),
     (
         "vllm.v1.core.sched.request_queue",
@@ -420,6 +464,14 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
         "EngineCore.__init__",
         "self.batch_queue",
         "EngineCore keeps its batches in flight in batch_queue",
+    ),
+    # Where a step is settled while the model runs (scheduling/scheduler.py).
+    (
+        "vllm.v1.engine.core",
+        "EngineCore.step",
+        "self.scheduler.get_grammar_bitmask(scheduler_output)",
+        "EngineCore.step asks the scheduler for the step's grammar bitmask "
+        "while the worker runs the step",
     ),
 ]
 # Every `from vllm... import name` of this package must resolve.

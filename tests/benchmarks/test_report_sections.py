@@ -433,3 +433,16 @@ def test_the_fair_shares_section_reports_batch_changes_when_counted(
     assert "changed 46 times on stock and 229 on ours" in text
     assert "kept the last ranking's batch in 2,647 steps" in text
     assert "--steps 3000" in text
+
+
+def test_the_step_timing_shows_the_settling_beside_the_model_when_timed() -> None:
+    from benchmarks.report.throughput import step_timing_lines
+
+    stock, ours = step_timing(1000, 100.0, 2000.0), step_timing(1000, 120.0, 2010.0)
+    before = "\n".join(step_timing_lines(stock, ours))
+    assert "get_grammar_bitmask" not in before  # results from before it was timed
+    stock["bitmask_us"], ours["bitmask_us"] = 0.5, 20.5
+    text = "\n".join(step_timing_lines(stock, ours))
+    assert "| `get_grammar_bitmask()` (ours: the step's settling" in text
+    assert "| 0.5 | 20.5 |" in text
+    assert "20.0 µs more per step than stock's `get_grammar_bitmask()`" in text

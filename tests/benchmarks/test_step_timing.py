@@ -19,6 +19,7 @@ def test_read_gives_microseconds_per_step(tmp_path: Path) -> None:
                 "schedule_ns": 4_000_000,
                 "vllm_schedule_ns": 3_000_000,
                 "update_ns": 2_000_000,
+                "bitmask_ns": 400_000,
                 "engine_steps": 5,
                 "engine_step_ns": 10_000_000,
             }
@@ -29,6 +30,7 @@ def test_read_gives_microseconds_per_step(tmp_path: Path) -> None:
         "schedule_us": 1000.0,
         "vllm_schedule_us": 750.0,
         "update_us": 500.0,
+        "bitmask_us": 100.0,
         "engine_step_us": 2000.0,
     }
 
@@ -42,6 +44,7 @@ def test_read_adds_the_model_workers_side_when_it_was_written(tmp_path: Path) ->
                 "schedule_ns": 0,
                 "vllm_schedule_ns": 0,
                 "update_ns": 0,
+                "bitmask_ns": 0,
                 "engine_steps": 2,
                 "engine_step_ns": 0,
             }

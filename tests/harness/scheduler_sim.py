@@ -123,8 +123,11 @@ class SchedulerHarness:
     # request id -> step before which it was added
     added_at: dict[str, int] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
-    schedule_ns: int = 0  # how long the latest schedule() took
+    # How long the latest schedule() and get_grammar_bitmask() took: the
+    # scheduler's work for a step before the model's output.
+    schedule_ns: int = 0
     update_ns: int = 0  # how long the latest update_from_output() took
+    asks_grammar_bitmask: bool = True  # see step()
     _pending: deque[_InFlight] = field(default_factory=deque)
     _ids: Any = field(default_factory=itertools.count)
 
@@ -195,8 +198,16 @@ class SchedulerHarness:
 
     # ----- steps -------------------------------------------------------
 
-    def step(self, advance_ns: int = 0) -> SchedulerOutput:
-        """Advance the clock, schedule once, and feed back model output."""
+    def step(
+        self, advance_ns: int = 0, between: Callable[[], object] | None = None
+    ) -> SchedulerOutput:
+        """Advance the clock, schedule once, and feed back model output.
+
+        ``between``: what the engine does after scheduling the step, before
+        it asks for the grammar bitmask (an abort, a new request, an
+        operator's call); ``asks_grammar_bitmask``: whether it asks (vLLM's
+        engine always does, except for a step waiting on structured output).
+        """
         self.clock.advance(advance_ns)
         started = time.perf_counter_ns()
         output = self.scheduler.schedule()
@@ -230,6 +241,15 @@ class SchedulerHarness:
                 )
             )
         self._pending.append(_InFlight(output, sampling, self.clock.now_ns, padded))
+        # The step has gone to the model (recorded above).
+        if between is not None:
+            between()
+        # As vLLM's EngineCore.step: the grammar bitmask is asked for once the
+        # step has gone to the worker (ours settles the step there).
+        if self.asks_grammar_bitmask:
+            started = time.perf_counter_ns()
+            self.scheduler.get_grammar_bitmask(output)
+            self.schedule_ns += time.perf_counter_ns() - started
         # Synchronous: results come back before the next schedule(). Async:
         # one step stays in flight, like vLLM's batch queue of depth 2.
         while len(self._pending) > self.in_flight:

@@ -8,7 +8,9 @@ accounting invariant after each test.
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -476,6 +478,87 @@ def test_update_from_output_never_touches_the_limiter(limited) -> None:
     untouched = watch_updates(h)
     h.run_until_done(20 * MS)
     assert untouched and all(untouched)
+
+
+# The scheduler's entry points vLLM's engine calls, and the policy method
+# each settles the last step in (the override itself, or begin_step).
+SETTLING_ENTRY_POINTS = {
+    "schedule": "begin_step",
+    "get_grammar_bitmask": "get_grammar_bitmask",
+    "update_from_output": "update_from_output",
+    "add_request": "add_request",
+    "finish_requests": "finish_requests",
+}
+
+
+@pytest.mark.parametrize("asks_bitmask", [True, False], ids=["bitmask", "no-bitmask"])
+def test_no_vllm_code_sees_a_step_before_it_is_settled(
+    limited, monkeypatch, asks_bitmask: bool
+) -> None:
+    """The step is settled off the critical path (``get_grammar_bitmask``),
+    or else by whichever entry point comes first: vLLM's own code never runs
+    between a step and its settling, whatever the engine does in between."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_output_rate.integration.engine_rpc import output_rate_rpc
+
+    h = limited(30, {"b": 100})
+    h.asks_grammar_bitmask = asks_bitmask
+    policy = h.scheduler.output_rate
+    settled_in: Counter[str] = Counter()
+    finish_step = policy.finish_step
+
+    def spied_finish_step() -> None:
+        if policy._unfinished_step is not None:
+            settled_in[sys._getframe(1).f_code.co_name] += 1
+        finish_step()
+
+    monkeypatch.setattr(policy, "finish_step", spied_finish_step)
+    unsettled_in: list[str] = []
+
+    def spy_on(name: str) -> None:
+        base = getattr(Scheduler, name)
+
+        def spied(self, *args, **kwargs):
+            if policy._unfinished_step is not None:
+                unsettled_in.append(name)
+            return base(self, *args, **kwargs)
+
+        monkeypatch.setattr(Scheduler, name, spied)
+
+    for name in SETTLING_ENTRY_POINTS:
+        spy_on(name)
+
+    rng = random.Random(3)
+    engine = SimpleNamespace(scheduler=h.scheduler)
+    for user in ("a", "a", "a", "b", "c"):
+        h.add(user, max_tokens=40)
+
+    def meanwhile() -> None:
+        """An abort, a new request or an operator's read, at random."""
+        roll = rng.random()
+        if roll < 0.15 and h.scheduler.requests:
+            h.abort(rng.choice(sorted(h.scheduler.requests)))
+        elif roll < 0.4:
+            h.add(rng.choice("abc"), max_tokens=rng.randint(1, 40))
+        elif roll < 0.5:
+            output_rate_rpc(engine, "metrics")
+
+    for _ in range(300):
+        h.step(10 * MS, between=meanwhile)
+    h.run_until_done(10 * MS)
+
+    assert not unsettled_in
+    for user, rate in {"a": 30, "b": 100, "c": 30}.items():
+        assert_bound(h.sampled_at(user), rate)
+    # Each entry point that came first after a step settled some step (the
+    # operator channel too); with the bitmask asked for, the steps nothing
+    # came between were settled there, before the model's output.
+    expected = {"add_request", "finish_requests", "output_rate_rpc"}
+    if asks_bitmask:
+        assert expected | {"get_grammar_bitmask"} == set(settled_in), settled_in
+    else:
+        assert expected | {"update_from_output"} == set(settled_in), settled_in
 
 
 def test_a_cancelled_step_is_not_refunded(limited) -> None:

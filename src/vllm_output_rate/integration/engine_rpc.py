@@ -16,6 +16,9 @@ def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
     policy = getattr(engine_core.scheduler, "output_rate", None)
     if policy is None:
         raise RuntimeError("per-user output rate limiting is not enabled")
+    # With asynchronous scheduling a step may be scheduled and not settled
+    # yet when the engine serves this call: settle it first.
+    policy.finish_step()
     if op == "metrics":
         return policy.metrics_snapshot()
     if op == "users":

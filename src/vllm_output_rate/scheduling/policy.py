@@ -36,6 +36,14 @@ A step, as vLLM's ``schedule()`` runs it with these hooks:
    changes; charge a fast step's sampled tokens in one C-level pass, and
    return at the single refund point every token reserved or charged but not
    dispatched (KV allocation failed, preempted, out of token budget).
+   ``end_step`` only notes the step: its work runs at the next call of
+   ``finish_step``, which the scheduler makes while the model runs the step
+   (vLLM's engine asks the scheduler for the step's grammar bitmask after
+   dispatching the batch to the worker and before waiting for its output),
+   and which every entry point into the scheduler and this policy makes
+   first. So the bookkeeping happens before anything else reads or changes
+   the scheduler, exactly as if it ran at the end of ``schedule()``, but off
+   the engine's critical path.
 
 ``update_from_output`` never touches the limiter, which keeps asynchronous
 scheduling possible.
@@ -191,6 +199,8 @@ class OutputRatePolicy(OperatorView):
         self._fair_growth = 0.0
         # Running requests off vLLM's running list for a kept step.
         self._set_aside: list[Request] = []
+        # The step scheduled but not yet settled (end_step, finish_step).
+        self._unfinished_step: tuple[SchedulerOutput, bool] | None = None
         # Resident slots and KV for users with budget (slow steps only).
         self.residency = Residency()
         self.slots: StepSlots | None = None
@@ -252,6 +262,7 @@ class OutputRatePolicy(OperatorView):
         a kept step that can schedule only its batch) and the arrival times
         moved for the step (give them to ``end_step_cleanup``).
         """
+        self.finish_step()
         host = self._host
         self.step += 1
         if self._limits_file and self._limits_file.poll(self.limiter, self.fair):
@@ -395,8 +406,18 @@ class OutputRatePolicy(OperatorView):
         self._restore_arrivals(moved_arrivals)
 
     def end_step(self, output: SchedulerOutput, stock_hook: bool) -> None:
-        """Charge and refund the step's tokens, and keep statistics.
+        """Note the step just scheduled, for ``finish_step`` to settle.
         ``stock_hook``: vLLM's own hook stood in for ours (``begin_step``)."""
+        self._unfinished_step = (output, stock_hook)
+
+    def finish_step(self) -> None:
+        """Settle the step ``end_step`` noted, if it is not yet: charge and
+        refund its tokens, and keep statistics. Call it before anything reads
+        or changes the scheduler or this policy (it is cheap when done)."""
+        if self._unfinished_step is None:
+            return
+        output, stock_hook = self._unfinished_step
+        self._unfinished_step = None
         now_ns = self.limiter.now_ns()
         served: Mapping[str, int]
         if stock_hook:
@@ -861,6 +882,7 @@ class OutputRatePolicy(OperatorView):
         refused: then nothing can run before that user's next token is due
         (or a new request or abort arrives, which wakes the loop at once).
         """
+        self.finish_step()
         if not self._last_step_idle or self._wakeup_ns is None:
             return 0.0
         delay_ns = self._wakeup_ns - self.limiter.now_ns()

@@ -8,13 +8,22 @@ to vLLM's scheduler: ``output_rate``. The overrides here only forward:
 * ``add_request``: tag the request with its user;
 * ``shutdown``: stop a shared store's refresher;
 * ``schedule``: begin the step (reserve budgets, order the running list),
-  run vLLM's step, end it (charge, refund, statistics). In a fast step
-  (nobody can be refused, no active slot contested) and in a kept step that
-  can schedule only its batch, vLLM's own ``_reserve_prefill_lookahead``
-  stands in for ours, as an instance attribute for the duration of the
-  step, which saves a Python call per request;
+  run vLLM's step, note it for the policy to settle (charge, refund,
+  statistics). In a fast step (nobody can be refused, no active slot
+  contested) and in a kept step that can schedule only its batch, vLLM's
+  own ``_reserve_prefill_lookahead`` stands in for ours, as an instance
+  attribute for the duration of the step, which saves a Python call per
+  request;
+* ``get_grammar_bitmask``: settle the step. vLLM's engine calls it after it
+  has handed the step to the model worker and before it waits for the
+  output, so the settling runs while the model does (measured in
+  BENCHMARKS.md, section 9); every other override here settles first too,
+  so nothing sees the scheduler between a step and its settling. Only where
+  the time goes depends on the engine's order; what is charged does not;
 * ``update_from_output``: with speculative decoding, let the policy count
   what each request of the reported step received (no limiter call);
+* ``add_request``, ``finish_requests``, ``update_draft_token_ids``,
+  ``reset_prefix_cache``: settle the step first;
 * ``_reserve_prefill_lookahead``: charge, hold back or skip a chunk;
 * ``_handle_blocked_waiting_request``: keep a throttled waiting request
   queued without stopping vLLM's scan.
@@ -22,16 +31,17 @@ to vLLM's scheduler: ``output_rate``. The overrides here only forward:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.scheduling.engine_modes import EngineModes
@@ -117,10 +127,12 @@ class OutputRateMixin(_Host):
         )
 
     def shutdown(self) -> None:
+        self.output_rate.finish_step()
         self.output_rate.close()
         super().shutdown()
 
     def add_request(self, request: Request) -> None:
+        self.output_rate.finish_step()
         self.output_rate.tag(request)
         super().add_request(request)
         self.output_rate.added(request)
@@ -139,9 +151,32 @@ class OutputRateMixin(_Host):
         policy.end_step(output, stock_hook)
         return output
 
+    def get_grammar_bitmask(
+        self, scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
+        self.output_rate.finish_step()
+        return super().get_grammar_bitmask(scheduler_output)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        self.output_rate.finish_step()
+        return super().finish_requests(request_ids, finished_status)
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        self.output_rate.finish_step()
+        super().update_draft_token_ids(draft_token_ids)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        self.output_rate.finish_step()
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        self.output_rate.finish_step()
         ledger = self.output_rate.speculative
         if ledger is None:
             return super().update_from_output(scheduler_output, model_runner_output)
