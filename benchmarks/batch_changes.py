@@ -18,8 +18,9 @@ Also counted: ours' steps that kept the last ranking's batch
 Deterministic (no timing), so one run is the figure.
 
 ``--time ROUNDS`` times the scheduler instead (``time_side_by_side``):
-stock and ours stepped in turn in one process, each step's ``schedule()``
-and ``update_from_output()`` timed by the harness, ours' kept and ranked
+stock and ours stepped in turn in one process, each step's ``schedule()``,
+``get_grammar_bitmask()`` and ``update_from_output()`` timed by the harness,
+and ``schedule()`` alone (what the engine waits for), ours' kept and ranked
 steps apart. Noisy machines: compare the two columns of one run.
 
 Usage::
@@ -92,6 +93,12 @@ class EngineLoad:
         update_from_output() of the step fed back."""
         return self.h.schedule_ns + self.h.update_ns
 
+    @property
+    def critical_ns(self) -> int:
+        """schedule() alone in the last step: what vLLM's engine waits for
+        before the model runs (ours settles the step after that)."""
+        return self.h.schedule_ns - self.h.settle_ns
+
 
 def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
     """Run the load for ``steps`` steps on one scheduler and count."""
@@ -124,29 +131,36 @@ def time_side_by_side(
 ) -> dict[str, float]:
     """The scheduler's mean time a step (µs), stock and ours stepped in
     turn in one process so that both see the same machine state; ours'
-    kept and ranked steps apart. The harness's own work is outside."""
+    kept and ranked steps apart. ``*_us``: schedule(), the settling in
+    get_grammar_bitmask() and update_from_output(); ``*_critical_us``:
+    schedule() alone, what vLLM's engine waits for before the model runs
+    (it calls get_grammar_bitmask() once the step has gone to the model
+    worker). The harness's own work is outside."""
     stock, ours = EngineLoad(model, ours=False), EngineLoad(model, ours=True)
     for _ in range(warmup):
         stock.step()
         ours.step()
-    stock_ns: list[int] = []
-    kept_ns: list[int] = []
-    ranked_ns: list[int] = []
+    stock_ns: list[tuple[int, int]] = []
+    kept_ns: list[tuple[int, int]] = []
+    ranked_ns: list[tuple[int, int]] = []
     for _ in range(steps):
         stock.step()
-        stock_ns.append(stock.step_ns)
+        stock_ns.append((stock.step_ns, stock.critical_ns))
         ours.step()
-        (kept_ns if ours.kept else ranked_ns).append(ours.step_ns)
+        (kept_ns if ours.kept else ranked_ns).append((ours.step_ns, ours.critical_ns))
     stock.h.settle()
     ours.h.settle()
-    ours_ns = kept_ns + ranked_ns
-    return {
-        "stock_us": sum(stock_ns) / len(stock_ns) / 1e3,
-        "ours_us": sum(ours_ns) / len(ours_ns) / 1e3,
-        "kept_us": sum(kept_ns) / max(len(kept_ns), 1) / 1e3,
-        "ranked_us": sum(ranked_ns) / max(len(ranked_ns), 1) / 1e3,
-        "kept_steps": len(kept_ns),
-    }
+
+    def mean_us(samples: list[tuple[int, int]], part: int) -> float:
+        return sum(s[part] for s in samples) / max(len(samples), 1) / 1e3
+
+    row: dict[str, float] = {"kept_steps": len(kept_ns)}
+    for part, suffix in ((0, "_us"), (1, "_critical_us")):
+        row["stock" + suffix] = mean_us(stock_ns, part)
+        row["ours" + suffix] = mean_us(kept_ns + ranked_ns, part)
+        row["kept" + suffix] = mean_us(kept_ns, part)
+        row["ranked" + suffix] = mean_us(ranked_ns, part)
+    return row
 
 
 def run(model: str, steps: int = STEPS) -> dict[str, Any]:
@@ -176,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_tiny_model())
     for _ in range(args.time):
         row = time_side_by_side(model, args.steps)
-        print(
-            f"stock {row['stock_us']:.1f} us, ours {row['ours_us']:.1f} us "
-            f"({row['ours_us'] - row['stock_us']:+.1f}): kept steps "
-            f"{row['kept_us']:.1f} us ({row['kept_steps']}), ranked "
-            f"{row['ranked_us']:.1f} us"
-        )
+        for suffix, what in (("_us", "whole"), ("_critical_us", "schedule()")):
+            stock_us, ours_us = row["stock" + suffix], row["ours" + suffix]
+            print(
+                f"{what}: stock {stock_us:.1f} us, ours {ours_us:.1f} us "
+                f"({ours_us - stock_us:+.1f}): kept steps "
+                f"{row['kept' + suffix]:.1f} us ({row['kept_steps']:.0f}), "
+                f"ranked {row['ranked' + suffix]:.1f} us"
+            )
     if args.time:
         return 0
     results = run(model, args.steps)

@@ -102,6 +102,34 @@ def test_speculative_throughput_is_judged_on_the_engine_when_measured(
     assert "ours/stock 0.950 [0.930-0.970], median of 16 paired rounds" in text
 
 
+def test_the_speculative_step_is_judged_on_what_the_engine_waits_for(
+    tmp_path: Path,
+) -> None:
+    """Since the settling moved to get_grammar_bitmask(), schedule() alone is
+    judged (1.03 here: met) and schedule() with the settling (1.12) is
+    context; a critical path over the target is still missed."""
+    results = speculative_results(1.0, True)
+    cost = {
+        "ratio": 1.12,
+        "ours_us": 112.0,
+        "stock_us": 100.0,
+        "critical_ratio": 1.03,
+        "ours_critical_us": 93.0,
+        "stock_critical_us": 90.0,
+    }
+    results["step_cost"] = {"R=16": cost}
+    row = speculative.summary_rows(results)[0]
+    assert row[3] is True
+    assert row[2] == (
+        "schedule() 1.030-1.030; with the settling beside the model 1.120-1.120"
+    )
+    text = speculative.section(results, tmp_path, tmp_path)
+    assert "ours/stock 1.03 (93 vs 90 µs) | within 5 % |" in text
+    assert "ours/stock 1.12 (112 vs 100 µs) | not judged |" in text
+    results["step_cost"] = {"R=16": {**cost, "critical_ratio": 1.06}}
+    assert speculative.summary_rows(results)[0][3] is False
+
+
 def test_the_bound_excess_counts_tokens_beyond_the_bound() -> None:
     from benchmarks.speculative import bound_excess
 

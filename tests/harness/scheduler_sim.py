@@ -126,6 +126,10 @@ class SchedulerHarness:
     # How long the latest schedule() and get_grammar_bitmask() took: the
     # scheduler's work for a step before the model's output.
     schedule_ns: int = 0
+    # The part of schedule_ns spent in get_grammar_bitmask(), which vLLM's
+    # engine calls once the step has gone to the model worker (ours settles
+    # the step there): schedule_ns - settle_ns is what the engine waits for.
+    settle_ns: int = 0
     update_ns: int = 0  # how long the latest update_from_output() took
     asks_grammar_bitmask: bool = True  # see step()
     _pending: deque[_InFlight] = field(default_factory=deque)
@@ -212,6 +216,7 @@ class SchedulerHarness:
         started = time.perf_counter_ns()
         output = self.scheduler.schedule()
         self.schedule_ns = time.perf_counter_ns() - started
+        self.settle_ns = 0
         self.steps += 1
         self.preemptions += len(output.preempted_req_ids)
         for request_id in output.preempted_req_ids:
@@ -249,7 +254,8 @@ class SchedulerHarness:
         if self.asks_grammar_bitmask:
             started = time.perf_counter_ns()
             self.scheduler.get_grammar_bitmask(output)
-            self.schedule_ns += time.perf_counter_ns() - started
+            self.settle_ns = time.perf_counter_ns() - started
+            self.schedule_ns += self.settle_ns
         # Synchronous: results come back before the next schedule(). Async:
         # one step stays in flight, like vLLM's batch queue of depth 2.
         while len(self._pending) > self.in_flight:
