@@ -58,6 +58,11 @@ class KeptBatch:
     # How far every pick ranked ahead of every rival at the last look at the
     # keys, less what the counters can have grown since (``still_first``).
     slack: float = 0.0
+    # What ``still_first`` answered when the last step was settled.
+    ranks_first: bool = False
+    # Free KV blocks a kept step needs to set the running requests beyond
+    # the batch aside (None: it never does; the policy's _set_aside_unkept).
+    kv_blocks_needed: int | None = None
 
     def still_first(
         self, fair: FairShare, user_last_served: Mapping[str, int], grown: float

@@ -197,7 +197,8 @@ class OutputRatePolicy(OperatorView):
         self._keeping = False  # this step keeps the batch
         # The most a user's counter grew in the last step (kept_batch.py).
         self._fair_growth = 0.0
-        # Running requests off vLLM's running list for a kept step.
+        # Running requests off vLLM's running list for a kept step (put
+        # back after vLLM's step, their users counted when it is settled).
         self._set_aside: list[Request] = []
         # The step scheduled but not yet settled (end_step, finish_step).
         self._unfinished_step: tuple[SchedulerOutput, bool] | None = None
@@ -285,6 +286,7 @@ class OutputRatePolicy(OperatorView):
         self._running_cap = self.active_cap
         self.throttled = []
         self._deferred_users.clear()
+        self._set_aside = []
         host.max_num_active_reqs = self.active_cap
         crowded = self._crowded()
         fast = everyone_covered and len(host.running) <= self.active_cap and not crowded
@@ -315,7 +317,7 @@ class OutputRatePolicy(OperatorView):
         floors = self.fair.floors
         if floors and not floors.keys().isdisjoint(self.demand.unfinished):
             return False  # floor credit grows with time: rank again
-        return kept.still_first(self.fair, self._user_last_served, self._fair_growth)
+        return kept.ranks_first
 
     def _set_aside_unkept(self) -> bool:
         """Whether vLLM's own hook can stand in for ours in this kept step.
@@ -338,20 +340,19 @@ class OutputRatePolicy(OperatorView):
         in each KV cache group (vLLM would preempt the last request of
         ``running``: with the rest set aside, one of the batch).
         """
-        host, cap = self._host, self.active_cap
+        host, kept = self._host, self._kept
         if (
-            self.speculative is not None
-            or self._late_outputs
+            kept is None
+            or kept.kv_blocks_needed is None
             or inflight_prefills(host)
-            or num_free_kv_blocks(host)
-            < kv_room.margin(host) + cap * num_kv_cache_groups(host)
+            or num_free_kv_blocks(host) < kept.kv_blocks_needed
         ):
             return False
-        running = host.running
+        running, cap = host.running, self.active_cap
         if len(running) > cap:
+            # Their users count as deferred when the step is settled.
             self._set_aside = running[cap:]
             del running[cap:]
-            self._deferred_users.update(map(user_of, self._set_aside))
         return True
 
     def _batch_to_keep(self, output: SchedulerOutput) -> KeptBatch | None:
@@ -383,6 +384,21 @@ class OutputRatePolicy(OperatorView):
                 if last_served_of(request) != step:
                     return None  # not served (a prefill chunk): its turn moved
         kept.requests, kept.running = len(host.requests), len(host.running)
+        # The free KV blocks a kept step needs to set the rest aside
+        # (``_set_aside_unkept``): the same while ``running`` is as long.
+        kept.kv_blocks_needed = (
+            None
+            if self.speculative is not None or self._late_outputs
+            else kv_room.margin(host) + self.active_cap * num_kv_cache_groups(host)
+        )
+        # Whether ranking afresh would pick the batch again, asked here
+        # (beside the model) rather than in the next schedule(): nothing the
+        # answer reads (counters, last served steps, their growth) changes
+        # before then, and what would (an operator's update, a reload of the
+        # limits file) drops the kept batch.
+        kept.ranks_first = kept.still_first(
+            self.fair, self._user_last_served, self._fair_growth
+        )
         return kept
 
     def _crowded(self) -> bool:
@@ -402,7 +418,6 @@ class OutputRatePolicy(OperatorView):
         self._host.max_num_active_reqs = self.active_cap
         if self._set_aside:
             self._host.running.extend(self._set_aside)
-            self._set_aside = []
         self._restore_arrivals(moved_arrivals)
 
     def end_step(self, output: SchedulerOutput, stock_hook: bool) -> None:
@@ -424,6 +439,8 @@ class OutputRatePolicy(OperatorView):
             served, undispatched = self._charge_dispatched(output), NOTHING
             if self._keeping:
                 self._served_kept_batch(output)
+                # The hook would have deferred the requests set aside.
+                self._deferred_users.update(map(user_of, self._set_aside))
         else:
             served, undispatched = self._sort_charged(output)
             if self.speculative is not None:
