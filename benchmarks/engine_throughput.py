@@ -467,7 +467,7 @@ def main() -> None:
         print(
             f"{kind}: engine step {timing['engine_step_us']:.0f} us, "
             f"schedule() {timing['schedule_us']:.0f} us, "
-            f"get_grammar_bitmask() {timing.get('bitmask_us', 0):.0f} us"
+            f"get_grammar_bitmask() {timing['bitmask_us']:.0f} us"
         )
 
 
