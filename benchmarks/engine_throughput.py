@@ -13,10 +13,11 @@ Each server kind lives in its own child process (``--child``) for the whole
 benchmark, so start-up is paid once; the parent sends ``run`` and reads one
 JSON line per round.
 
-On its own (``make bench`` runs it within sections 1 and 9)::
+On its own (``make bench`` runs it within sections 1, 8 and 9)::
 
-    PYTHONPATH=tests:. python -m benchmarks.engine_throughput [--saturated] \
-        [--variant small] [--quick] [--work-dir DIR]
+    PYTHONPATH=tests:. python -m benchmarks.engine_throughput \
+        [--saturated | --speculative] [--variant small] [--quick] \
+        [--work-dir DIR]
 
 ``--variant small`` runs a 23 M-parameter model of the same family, whose
 decode step is several times the tiny model's: the plugin's cost per step
@@ -433,7 +434,13 @@ def main() -> None:
         choices=sorted(VARIANTS),
         help="tiny model variant when no --model is given (small: a longer step)",
     )
-    parser.add_argument("--saturated", action="store_true", help="section 9's load")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--saturated", action="store_true", help="section 9's load")
+    load.add_argument(
+        "--speculative",
+        action="store_true",
+        help="section 8's: n-gram speculation on the echo variant",
+    )
     parser.add_argument("--quick", action="store_true", help="4 rounds, not 16")
     parser.add_argument(
         "--work-dir", type=Path, default=Path("results/bench-engine")
@@ -446,14 +453,16 @@ def main() -> None:
         return
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
-    model = args.model or str(build_tiny_model(variant=args.variant))
+    variant = "echo" if args.speculative else args.variant
+    model = args.model or str(build_tiny_model(variant=variant))
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    kinds = KINDS
+    if args.saturated:
+        kinds = SATURATED_KINDS
+    elif args.speculative:
+        kinds = SPECULATIVE_KINDS
     results = engine_throughput(
-        model,
-        args.work_dir,
-        settle=lambda: 0.0,
-        quick=args.quick,
-        kinds=SATURATED_KINDS if args.saturated else KINDS,
+        model, args.work_dir, settle=lambda: 0.0, quick=args.quick, kinds=kinds
     )
     (args.work_dir / "engine-throughput.json").write_text(
         json.dumps(results, indent=1, default=str)

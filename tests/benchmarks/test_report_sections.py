@@ -98,8 +98,14 @@ def test_speculative_throughput_is_judged_on_the_engine_when_measured(
     rows = speculative.summary_rows(results)
     row = next(r for r in rows if "throughput" in r[0])
     assert row[0].startswith("8. speculative: engine throughput") and row[3] is False
+    assert row[2] == "0.950 [0.93-0.97]"
     text = speculative.section(results, tmp_path, tmp_path)
     assert "ours/stock 0.950 [0.930-0.970], median of 16 paired rounds" in text
+    # Just below the target: four digits, so that the figure does not read
+    # as the target it missed.
+    results["engine"]["ratio_median"] = 0.9795
+    row = next(r for r in speculative.summary_rows(results) if "throughput" in r[0])
+    assert row[2] == "0.9795 [0.93-0.97]" and row[3] is False
 
 
 def test_the_speculative_step_is_judged_on_what_the_engine_waits_for(
