@@ -97,6 +97,11 @@ def tokens_between(result: LoadResult, user: str | None, lo: float, hi: float) -
     )
 
 
+def median_us(samples_ns: Sequence[int]) -> float:
+    """Median of timings in ns, in µs (the scheduler benchmarks' unit)."""
+    return statistics.median(samples_ns) / 1e3
+
+
 def median(values: Iterable[float | None]) -> float | None:
     """Median of the values that are not None; None if there are none."""
     present = [v for v in values if v is not None]

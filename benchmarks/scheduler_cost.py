@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import median_us
 from benchmarks.scheduler_workload import (
     COUNTED_STEPS,
     STATES,
@@ -98,10 +99,6 @@ def _measure_size(
     return subjects
 
 
-def _us(samples: Sequence[int]) -> float:
-    return statistics.median(samples) / 1000
-
-
 def _quartiles(values: Sequence[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
@@ -113,8 +110,8 @@ def _rows_for_size(subjects: list[Subject], num_requests: int) -> tuple[dict, li
     stock = subjects[0]
     stock_row = {
         "R": num_requests,
-        "schedule_us": _us(stock.schedule_ns),
-        "update_us": _us(stock.update_ns),
+        "schedule_us": median_us(stock.schedule_ns),
+        "update_us": median_us(stock.update_ns),
         "scheduled_per_step": statistics.mean(stock.scheduled),
     }
     rows = []
@@ -131,12 +128,12 @@ def _rows_for_size(subjects: list[Subject], num_requests: int) -> tuple[dict, li
                 "state": subject.state,
                 "R": num_requests,
                 "U": subject.users,
-                "ours_us": _us(subject.schedule_ns),
+                "ours_us": median_us(subject.schedule_ns),
                 "stock_us": stock_row["schedule_us"],
                 "ratio": statistics.median(ratios),
                 "ratio_q1": q1,
                 "ratio_q3": q3,
-                "ours_update_us": _us(subject.update_ns),
+                "ours_update_us": median_us(subject.update_ns),
                 "stock_update_us": stock_row["update_us"],
                 "limiter_calls_per_step": sum(calls.values()) / COUNTED_STEPS,
                 "limiter_calls_by_method": {

@@ -54,7 +54,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import metric_totals
+from benchmarks.measure import median_us, metric_totals
 
 DRAFT_TOKENS = 4
 SPECULATION = {
@@ -88,10 +88,6 @@ def _blocks_for(requests: int, rounds: int, block_size: int) -> int:
     per_step = 1 + DRAFT_TOKENS
     tokens = PROMPT_TOKENS + (WARM_STEPS + rounds + 1) * per_step
     return requests * -(-tokens // block_size) + 64
-
-
-def _median_us(samples: list[int]) -> float:
-    return statistics.median(samples) / 1e3
 
 
 def step_cost(model: str, quick: bool) -> dict[str, Any]:
@@ -144,14 +140,14 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
             )
         results[f"R={requests},U={users}"] = {
             "ratio": statistics.median(ratios["schedule"]),
-            "stock_us": _median_us(times["stock"]["schedule"]),
-            "ours_us": _median_us(times["ours"]["schedule"]),
+            "stock_us": median_us(times["stock"]["schedule"]),
+            "ours_us": median_us(times["ours"]["schedule"]),
             "critical_ratio": statistics.median(ratios["critical"]),
-            "stock_critical_us": _median_us(times["stock"]["critical"]),
-            "ours_critical_us": _median_us(times["ours"]["critical"]),
+            "stock_critical_us": median_us(times["stock"]["critical"]),
+            "ours_critical_us": median_us(times["ours"]["critical"]),
             "update_ratio": statistics.median(ratios["update"]),
-            "stock_update_us": _median_us(times["stock"]["update"]),
-            "ours_update_us": _median_us(times["ours"]["update"]),
+            "stock_update_us": median_us(times["stock"]["update"]),
+            "ours_update_us": median_us(times["ours"]["update"]),
             "step_ratio": statistics.median(ratios["step"]),
         }
     return results

@@ -130,7 +130,7 @@ def _judged_ratio(cost: dict[str, Any]) -> float:
     """The step cost judged: since 2026-12-06 schedule() alone, what vLLM's
     engine waits for (the plugin settles the step in get_grammar_bitmask(),
     which the engine calls after handing the step to the model worker);
-    earlier runs timed schedule() only, before the settling moved."""
+    earlier runs have only the whole step's ratio, which is judged then."""
     return float(cost.get("critical_ratio", cost["ratio"]))
 
 
