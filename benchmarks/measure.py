@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import psutil
 
+from harness.server_metrics import metric_total
 from vllm_output_rate.demo.server import RunningServer
 from vllm_output_rate.loadtest import LoadResult
 from vllm_output_rate.loadtest.summary import percentile
@@ -61,22 +62,14 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in after if k in before}
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((name + "{", name + " "))
-    )
-
-
 def wait_until_drained(url: str, timeout_s: float = 30.0) -> bool:
     """Wait until the server has no running or waiting request."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            busy = _metric(url, "vllm:num_requests_running") + _metric(
-                url, "vllm:num_requests_waiting"
+            text = httpx.get(url + "/metrics", timeout=30).text
+            busy = metric_total(text, "vllm:num_requests_running") + metric_total(
+                text, "vllm:num_requests_waiting"
             )
             if busy == 0:
                 return True

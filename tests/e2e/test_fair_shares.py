@@ -3,13 +3,18 @@
 One module-scoped server (``--max-num-active-seqs 3``, limits far above
 demand, so the engine itself is the bottleneck), two scenarios one after the
 other, driven by the official OpenAI client; each stream is one request of
-3,500 tokens, closed when the scenario ends. Shares are judged at the
+4,000 tokens, closed when the scenario ends. Shares are judged at the
 engine, from the scheduler's dispatch log, over each scenario's window: from
-1 s after the last of its users got a first token (on this loaded 2-core
-machine the API server takes seconds to start 34 streams) to its end, or to
-the last token of the user served last if that came first (a user whose
-requests ended is not backlogged). The machine's speed does not matter, only
-who got the engine's tokens.
+1 s after every one of its streams is in the engine (with
+``--enable-log-requests``
+the API server logs each request it hands over; on this loaded 2-core machine
+it can take many seconds to hand 34 streams over, and until it has, the few
+streams already there fill the free slots, as work conservation says they
+should) to its end,
+or to the last token of the user served last if that came first (a user whose
+requests ended is not backlogged). Each scenario holds its streams for 12 s
+after they are all in. The machine's speed does not matter, only who got the
+engine's tokens.
 
 1. ``many`` (weight 1, 16 streams) beside ``light`` (weight 2, 2 streams):
    2 : 1 in tokens within 10 % (by streams it would be 1 : 8).
@@ -31,7 +36,7 @@ from openai import AsyncOpenAI
 
 from harness.bounds import S
 from harness.shares import served_window
-from vllm_output_rate.demo.server import running_server
+from vllm_output_rate.demo.server import RunningServer, running_server
 from vllm_output_rate.scheduling.dispatch_log import ENV as DISPATCH_LOG_ENV
 from vllm_output_rate.scheduling.dispatch_log import read_dispatch_log
 
@@ -39,6 +44,8 @@ pytestmark = pytest.mark.e2e
 
 FLOOR = 60.0
 SCENARIO_S = 12.0
+ADMISSION_TIMEOUT_S = 300.0
+ADDED = b"Added request "  # vLLM's line per request, --enable-log-requests
 ARGS = [
     "--max-model-len",
     "4096",
@@ -52,6 +59,7 @@ ARGS = [
     json.dumps({"light": 2, "hog": 20}),
     "--user-min-output-tokens-per-second",
     json.dumps({"floored": FLOOR}),
+    "--enable-log-requests",
 ]
 
 
@@ -59,7 +67,7 @@ async def stream(client: AsyncOpenAI, model: str, user: str) -> None:
     response = await client.completions.create(
         model=model,
         prompt="fair shares",
-        max_tokens=3500,
+        max_tokens=4000,
         stream=True,
         extra_body={"ignore_eos": True, "vllm_xargs": {"output_rate_user": user}},
     )
@@ -67,19 +75,38 @@ async def stream(client: AsyncOpenAI, model: str, user: str) -> None:
         pass
 
 
+async def when_all_added(server: RunningServer, since: int, count: int) -> int:
+    """When (monotonic ns) the API server had handed ``count`` requests to
+    the engine since offset ``since`` of its log. Read from the log: while
+    streams run, this machine's API server can leave /metrics unanswered for
+    as long as they last."""
+    give_up = time.monotonic() + ADMISSION_TIMEOUT_S
+    added = 0
+    while time.monotonic() < give_up:
+        with open(server.log_path, "rb") as log:
+            log.seek(since)
+            added = log.read().count(ADDED)
+        if added >= count:
+            return time.monotonic_ns()
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{added} of {count} requests in the engine")
+
+
 async def run_scenario(
-    url: str, model: str, streams: dict[str, int]
+    server: RunningServer, model: str, streams: dict[str, int]
 ) -> tuple[int, int]:
-    """Open the streams, hold them for the scenario, close them; return the
-    window (monotonic ns, the engine's clock too) to judge."""
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
-    started = time.monotonic_ns()
+    """Open the streams, hold them for the scenario once all are in the
+    engine, close them; return the window (monotonic ns, the engine's clock
+    too) to judge."""
+    since = server.log_path.stat().st_size
+    client = AsyncOpenAI(base_url=server + "/v1", api_key="unused", timeout=120)
     tasks = [
         asyncio.create_task(stream(client, model, user))
         for user, count in streams.items()
         for _ in range(count)
     ]
     try:
+        started = await when_all_added(server, since, len(tasks))
         await asyncio.sleep(SCENARIO_S)
     finally:
         for task in tasks:
@@ -115,12 +142,12 @@ def share(dispatched: dict[str, list[int]], users: list[str], start: int, end: i
 def shares(tiny_model_path: str, tmp_path_factory) -> dict[str, Share]:
     log = Path(tmp_path_factory.mktemp("fair")) / "dispatch.csv"
     env = {"VLLM_PLUGINS": "output_rate,output_rate_http", DISPATCH_LOG_ENV: str(log)}
-    with running_server(tiny_model_path, ARGS, env=env) as url:
+    with running_server(tiny_model_path, ARGS, env=env) as server:
         weighted = asyncio.run(
-            run_scenario(url, tiny_model_path, {"many": 16, "light": 2})
+            run_scenario(server, tiny_model_path, {"many": 16, "light": 2})
         )
         floored = asyncio.run(
-            run_scenario(url, tiny_model_path, {"hog": 32, "floored": 2})
+            run_scenario(server, tiny_model_path, {"hog": 32, "floored": 2})
         )
         time.sleep(1.5)  # the log is written a second behind the engine
         dispatched = read_dispatch_log(str(log))

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from harness.server_metrics import scrape_total
 from vllm_output_rate import cli
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.loadtest import (
@@ -199,16 +200,6 @@ def test_refusals_get_http_400_and_the_server_keeps_serving(
     assert ok.status_code == 200
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    ]
-    return sum(values)
-
-
 def test_a_client_leaving_while_throttled_frees_its_request(
     limited_server, model_name
 ) -> None:
@@ -232,8 +223,10 @@ def test_a_client_leaving_while_throttled_frees_its_request(
                         received += 1
                         if received == 2:
                             break  # leave while user "slow" is throttled
+                # The gauge that shows it gone shows it there first.
+                assert scrape_total(limited_server, "vllm:num_requests_running") >= 1
             left_at = time.monotonic()
-            while _metric(limited_server, "vllm:num_requests_running") > 0:
+            while scrape_total(limited_server, "vllm:num_requests_running") > 0:
                 assert time.monotonic() - left_at < 10, "request not aborted"
                 await asyncio.sleep(0.2)
             return time.monotonic() - left_at, received
@@ -241,7 +234,7 @@ def test_a_client_leaving_while_throttled_frees_its_request(
     elapsed, received = asyncio.run(scenario())
     assert received == 2
     assert elapsed < 10
-    assert _metric(limited_server, "vllm:kv_cache_usage_perc") == 0
+    assert scrape_total(limited_server, "vllm:kv_cache_usage_perc") == 0
     # The server goes on serving others.
     after = load(
         limited_server,
