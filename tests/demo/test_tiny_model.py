@@ -334,3 +334,23 @@ def test_the_echo_variant_predicts_its_input_token(tmp_path):
     # At temperature 1 it repeats it most of the time, not always.
     repeat = logits.softmax(-1).gather(1, ids[0][:, None]).mean().item()
     assert 0.5 < repeat < 0.95
+
+
+def test_the_hybrid_variant_is_a_mamba2_and_attention_model(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny_model(tmp_path / "hybrid", variant="hybrid")
+    assert is_complete(path, "hybrid") and not is_complete(path, "echo")
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["GraniteMoeHybridForCausalLM"]
+    # Its shape is in the recipe: a change of it rebuilds the cached model.
+    assert tiny_model.build_spec("hybrid")["variant"]["hybrid_shape"]["mamba_d_state"]
+    # transformers loads it and it runs on the project's tokenizer.
+    model = AutoModelForCausalLM.from_pretrained(path)
+    kinds = [type(module).__name__ for module in model.modules()]
+    assert "GraniteMoeHybridMambaLayer" in kinds
+    assert "GraniteMoeHybridAttention" in kinds
+    ids = AutoTokenizer.from_pretrained(path)("Bread is made", return_tensors="pt")
+    assert model(**ids).logits.shape[-1] == config["vocab_size"]

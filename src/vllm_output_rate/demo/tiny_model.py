@@ -18,6 +18,9 @@ Variants, each in its own cache folder (the default one never changes):
   n-gram speculative decoding (which needs no draft model) finds drafts and
   the model accepts them; at temperature 1 it repeats with probability
   about 0.8, so some drafts are rejected.
+* ``hybrid``: a Granite 4 style hybrid (``GraniteMoeHybridForCausalLM``): one
+  Mamba2 layer and one attention layer, dense MLPs, the same tokenizer, for
+  the end-to-end tests of hybrid models (vLLM's CPU build has Mamba2 kernels).
 
 Usage::
 
@@ -48,6 +51,30 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 MODEL_DIRNAME = f"tiny-llama-v{FORMAT_VERSION}"
 DEFAULT_VARIANT = "llama"
+# The hybrid variant: the same sizes where they apply; the Mamba2 layer has
+# 4 heads of 64 (hidden 128, expanded twice) and a state of 16.
+HYBRID_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "shared_intermediate_size": 256,
+    "num_local_experts": 0,  # dense: the shared MLP only
+    "num_experts_per_tok": 0,
+    "num_hidden_layers": 2,
+    "layer_types": ["mamba", "attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": 64,
+    "max_position_embeddings": 4096,
+    "position_embedding_type": "rope",
+    "tie_word_embeddings": False,
+}
+
 # What each variant changes in the recipe (the default changes nothing).
 VARIANTS: dict[str, dict[str, Any]] = {
     DEFAULT_VARIANT: {},
@@ -64,6 +91,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 2,
         }
     },
+    # In the recipe, so that a change of shape rebuilds the cached model.
+    "hybrid": {"hybrid_shape": HYBRID_SHAPE},
 }
 MARKER_NAME = ".complete"
 SEED = 1234
@@ -270,21 +299,36 @@ def save_model(
     ids: dict[str, int],
     variant: str = DEFAULT_VARIANT,
 ) -> None:
-    """Save a seeded random ``LlamaForCausalLM`` and its generation config."""
+    """Save a seeded random ``LlamaForCausalLM`` (or, for the hybrid
+    variant, ``GraniteMoeHybridForCausalLM``) and its generation config."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GenerationConfig,
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedModel,
+    )
 
     changes = VARIANTS[_check_variant(variant)]
-    shape = {**MODEL_SHAPE, **changes.get("shape", {})}
-    if "tie_word_embeddings" in changes:
-        shape["tie_word_embeddings"] = changes["tie_word_embeddings"]
-    config = LlamaConfig(vocab_size=vocab_size, **shape, **ids)
+    model_class: type[PreTrainedModel] = LlamaForCausalLM
+    if "hybrid_shape" in changes:
+        model_class = GraniteMoeHybridForCausalLM
+        config = GraniteMoeHybridConfig(
+            vocab_size=vocab_size, **changes["hybrid_shape"], **ids
+        )
+    else:
+        shape = {**MODEL_SHAPE, **changes.get("shape", {})}
+        if "tie_word_embeddings" in changes:
+            shape["tie_word_embeddings"] = changes["tie_word_embeddings"]
+        config = LlamaConfig(vocab_size=vocab_size, **shape, **ids)
     # Seed right before construction: weight init is the only RNG consumer,
     # which makes the safetensors file byte-identical across builds.  fork_rng
     # restores the caller's RNG state afterwards (e.g. a test's own seed).
     with _RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
         if changes.get("zero_layer_outputs"):
             # Each layer then adds nothing to the residual stream.
