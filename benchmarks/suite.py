@@ -4,10 +4,10 @@ machine and versions, each benchmark's results or why it did not run, how
 busy the rest of the machine was meanwhile, and the servers' start-up times.
 The report (``benchmarks.report``) is made from this dict alone.
 
-Order: ``scheduler_cost``, ``store``, ``speculative`` and ``fair_shares``
-first (no shared server; ``store`` starts its own redis-server and engines,
-``speculative`` its own servers with speculation on, ``fair_shares`` its own
-saturated servers), then the server benchmarks,
+Order: ``scheduler_cost``, ``engine_modes``, ``store``, ``speculative`` and
+``fair_shares`` first (no shared server; ``store`` starts its own
+redis-server and engines, ``speculative`` its own servers with speculation
+on, ``fair_shares`` its own saturated servers), then the server benchmarks,
 which share one pool of servers: each server starts once, before the first
 benchmark that needs it, and stops after the last.
 """
@@ -35,6 +35,7 @@ from benchmarks.throughput import throughput
 
 ORDER = (
     "scheduler_cost",
+    "engine_modes",
     "store",
     "speculative",
     "fair_shares",
@@ -55,6 +56,7 @@ SERVER_BENCHMARKS: dict[str, ServerBenchmark] = {
 }
 SERVERS_NEEDED: dict[str, set[str]] = {
     "scheduler_cost": set(),
+    "engine_modes": set(),
     "store": set(),  # starts its own redis-server and engines
     "speculative": set(),  # starts its own servers (speculation on)
     "fair_shares": set(),  # starts its own servers (few active slots)
@@ -72,6 +74,14 @@ def _scheduler_cost(quick: bool) -> dict[str, Any]:
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout
         return scheduler_cost.run(quick=quick)
+
+
+def _engine_modes(quick: bool) -> dict[str, Any]:
+    from benchmarks import engine_modes
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return engine_modes.run(str(build_tiny_model()), quick=quick)
 
 
 def _store(quick: bool, work_dir: Path) -> dict[str, Any]:
@@ -152,6 +162,7 @@ def run(
     try:
         alone: dict[str, Callable[[], dict[str, Any]]] = {
             "scheduler_cost": lambda: _scheduler_cost(quick),
+            "engine_modes": lambda: _engine_modes(quick),
             "store": lambda: _store(quick, work_dir),
             "speculative": lambda: _speculative(quick, work_dir),
             "fair_shares": lambda: _fair_shares(quick, work_dir),

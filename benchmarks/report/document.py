@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.report import (
     accuracy,
+    engine_modes,
     fair_shares,
     idle,
     isolation,
@@ -41,6 +42,7 @@ SECTIONS: dict[str, ModuleType] = {
     "store": store,
     "speculative": speculative,
     "fair_shares": fair_shares,
+    "engine_modes": engine_modes,
 }
 SERVER_BENCHMARKS = (
     "throughput",
@@ -223,7 +225,8 @@ def render(
     if any(n in raw["results"] for n in SERVER_BENCHMARKS):
         lines += [SLOW_STATE_NOTE, ""]
     shown = [n for n in raw["benchmarks"] if n in raw["results"] or n in raw["errors"]]
-    for name in sorted(shown, key=lambda n: SECTIONS[n].TITLE):
+    # By section number ("10. ..." after "9. ...").
+    for name in sorted(shown, key=lambda n: int(SECTIONS[n].TITLE.split(".")[0])):
         lines += [section(name, raw, figures_dir, md_dir), ""]
     lines += history()
     return "\n".join(lines).rstrip() + "\n"

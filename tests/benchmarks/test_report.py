@@ -147,6 +147,20 @@ def test_a_section_that_cannot_be_formatted_loses_nothing_else(
     assert "## 5. Rate accuracy" in text and "## History" in text
 
 
+def test_sections_come_in_the_order_of_their_numbers(
+    raw: dict[str, Any], tmp_path: Path
+) -> None:
+    raw["benchmarks"] += ["engine_modes", "fair_shares"]
+    raw["errors"] = {"engine_modes": "ValueError: x", "fair_shares": "ValueError: y"}
+    text = _render(raw, tmp_path)
+    numbers = [
+        int(line.split()[1].rstrip("."))
+        for line in text.splitlines()
+        if line.startswith("## ") and line[3].isdigit()
+    ]
+    assert numbers == sorted(numbers) and numbers[-2:] == [9, 10]
+
+
 def test_only_a_selection_gets_only_its_sections(
     raw: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -525,3 +525,51 @@ def test_the_step_timing_shows_the_settling_beside_the_model_when_timed() -> Non
     assert "| `get_grammar_bitmask()` (ours: the step's settling" in text
     assert "| 0.5 | 20.5 |" in text
     assert "20.0 µs more per step than stock's `get_grammar_bitmask()`" in text
+
+
+def engine_modes_results(**accuracy: Any) -> dict[str, Any]:
+    mode = {
+        "step_cost": {
+            "ratio": 1.01,
+            "quartiles": [0.99, 1.03],
+            "ours_us": 808.0,
+            "stock_us": 800.0,
+        },
+        "accuracy": {
+            "delivered_per_limit": 1.001,
+            "bound_held": True,
+            "free_tok_s": 800.0,
+            "free_alone_on_stock_tok_s": 801.0,
+            "charges_equal_tokens": True,
+            "seconds": 20.0,
+            **accuracy,
+        },
+    }
+    return {"plain decoding": mode, "hybrid (Mamba state group)": mode}
+
+
+def test_the_engine_modes_section_judges_every_mode(tmp_path: Path) -> None:
+    from benchmarks.report import engine_modes
+
+    rows = engine_modes.summary_rows(engine_modes_results())
+    assert [met for *_, met in rows] == [True, True]
+    assert rows[0][2] == "1.010-1.010 over 2 modes"
+    for broken in (
+        {"delivered_per_limit": 1.03},
+        {"bound_held": False},
+        {"charges_equal_tokens": False},
+        {"free_tok_s": 700.0},  # 0.87 of what it gets alone
+    ):
+        assert engine_modes.summary_rows(engine_modes_results(**broken))[1][3] is False
+    slow = engine_modes_results()
+    slow["hybrid (Mamba state group)"] = {
+        **slow["plain decoding"],
+        "step_cost": {**slow["plain decoding"]["step_cost"], "ratio": 1.06},
+    }
+    assert engine_modes.summary_rows(slow)[0][3] is False
+    text = engine_modes.section(engine_modes_results(), tmp_path, tmp_path)
+    assert text.startswith("## 10. Engine modes on vLLM's scheduler")
+    assert (
+        "| hybrid (Mamba state group) | 808 | 800 | 1.010 [0.99-1.03] | 1.001 "
+        "| held | 800 (801) | yes |"
+    ) in text
