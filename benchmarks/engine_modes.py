@@ -22,10 +22,15 @@ for the model):
   on stock vLLM, and the accounting invariant (net charges equal the tokens
   each user was dispatched, through a counting limiter).
 
-Speculative decoding has its own section (8), with real servers; a hybrid
-model also runs end to end in the tests (``tests/e2e/test_hybrid_model.py``).
+And, for the one mode vLLM's CPU build runs here beyond speculation, the
+tiny hybrid model's engines, stock against ours, in section 1b's paired
+rounds through vLLM's ``LLM`` (limits far above demand; prefix caching on,
+Mamba cache mode 'align'). Speculative decoding has its own section (8),
+with real servers; the hybrid model also runs end to end in the tests
+(``tests/e2e/test_hybrid_model.py``).
 
     PYTHONPATH=tests:. python -m benchmarks.engine_modes [--quick] [--json F]
+        [--work-dir DIR]
 """
 
 from __future__ import annotations
@@ -173,28 +178,54 @@ def _rate(times: list[int]) -> float:
     return (len(times) - 1) / ((times[-1] - times[0]) / S)
 
 
-def run(model: str, quick: bool = False) -> dict[str, Any]:
+def run(
+    model: str, quick: bool = False, work_dir: Path | None = None
+) -> dict[str, Any]:
+    """Every mode on the scheduler; with ``work_dir``, the hybrid model's
+    engine comparison too (section 1b's load through vLLM's ``LLM``)."""
     rounds, seconds = (60, 5.0) if quick else (300, 20.0)
-    return {
-        name: {
-            "step_cost": step_cost(model, mode, rounds),
-            "accuracy": accuracy(model, mode, seconds),
+    results: dict[str, Any] = {
+        "modes": {
+            name: {
+                "step_cost": step_cost(model, mode, rounds),
+                "accuracy": accuracy(model, mode, seconds),
+            }
+            for name, mode in MODES.items()
         }
-        for name, mode in MODES.items()
     }
+    if work_dir is not None:
+        from benchmarks.engine_throughput import engine_throughput
+        from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+        hybrid = str(build_tiny_model(variant="hybrid"))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        results["hybrid_engine"] = engine_throughput(
+            hybrid, work_dir, settle=lambda: 0.0, quick=quick
+        )
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="also compare the hybrid model's engines (vLLM's LLM), here",
+    )
     args = parser.parse_args()
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
-    results = run(str(build_tiny_model()), quick=args.quick)
+    results = run(str(build_tiny_model()), quick=args.quick, work_dir=args.work_dir)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    for name, result in results.items():
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    engine = results.get("hybrid_engine")
+    if engine:
+        print(
+            f"hybrid model, engine throughput ours/stock {engine['ratio_median']:.3f}"
+        )
+    for name, result in results["modes"].items():
         cost, acc = result["step_cost"], result["accuracy"]
         print(
             f"{name}: step ours/stock {cost['ratio']:.3f} "

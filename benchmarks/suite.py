@@ -76,12 +76,14 @@ def _scheduler_cost(quick: bool) -> dict[str, Any]:
         return scheduler_cost.run(quick=quick)
 
 
-def _engine_modes(quick: bool) -> dict[str, Any]:
+def _engine_modes(quick: bool, work_dir: Path) -> dict[str, Any]:
     from benchmarks import engine_modes
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
     with contextlib.redirect_stdout(sys.stderr):
-        return engine_modes.run(str(build_tiny_model()), quick=quick)
+        return engine_modes.run(
+            str(build_tiny_model()), quick=quick, work_dir=work_dir / "engine_modes"
+        )
 
 
 def _store(quick: bool, work_dir: Path) -> dict[str, Any]:
@@ -162,7 +164,7 @@ def run(
     try:
         alone: dict[str, Callable[[], dict[str, Any]]] = {
             "scheduler_cost": lambda: _scheduler_cost(quick),
-            "engine_modes": lambda: _engine_modes(quick),
+            "engine_modes": lambda: _engine_modes(quick, work_dir),
             "store": lambda: _store(quick, work_dir),
             "speculative": lambda: _speculative(quick, work_dir),
             "fair_shares": lambda: _fair_shares(quick, work_dir),

@@ -545,7 +545,7 @@ def engine_modes_results(**accuracy: Any) -> dict[str, Any]:
             **accuracy,
         },
     }
-    return {"plain decoding": mode, "hybrid (Mamba state group)": mode}
+    return {"modes": {"plain decoding": mode, "hybrid (Mamba state group)": mode}}
 
 
 def test_the_engine_modes_section_judges_every_mode(tmp_path: Path) -> None:
@@ -562,9 +562,10 @@ def test_the_engine_modes_section_judges_every_mode(tmp_path: Path) -> None:
     ):
         assert engine_modes.summary_rows(engine_modes_results(**broken))[1][3] is False
     slow = engine_modes_results()
-    slow["hybrid (Mamba state group)"] = {
-        **slow["plain decoding"],
-        "step_cost": {**slow["plain decoding"]["step_cost"], "ratio": 1.06},
+    modes = slow["modes"]
+    modes["hybrid (Mamba state group)"] = {
+        **modes["plain decoding"],
+        "step_cost": {**modes["plain decoding"]["step_cost"], "ratio": 1.06},
     }
     assert engine_modes.summary_rows(slow)[0][3] is False
     text = engine_modes.section(engine_modes_results(), tmp_path, tmp_path)
@@ -573,3 +574,26 @@ def test_the_engine_modes_section_judges_every_mode(tmp_path: Path) -> None:
         "| hybrid (Mamba state group) | 808 | 800 | 1.010 [0.99-1.03] | 1.001 "
         "| held | 800 (801) | yes |"
     ) in text
+    assert "hybrid model's engines" not in text  # not measured in this run
+
+
+def test_the_hybrid_models_engine_throughput_is_judged_when_measured(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.report import engine_modes
+
+    results = engine_modes_results()
+    results["hybrid_engine"] = {
+        "ratio_median": 0.975,
+        "ratio_quartiles": [0.95, 1.0],
+        "rounds": 32,
+        "streams": 32,
+        "max_tokens": 256,
+    }
+    row = engine_modes.summary_rows(results)[2]
+    assert row[0].startswith("10. engine modes: hybrid model's engine throughput")
+    assert row[2:] == ("0.975 [0.95-1.00]", False)
+    text = engine_modes.section(results, tmp_path, tmp_path)
+    assert "ours / stock **0.975** (quartiles 0.950-1.000, median of 32" in text
+    results["hybrid_engine"]["ratio_median"] = 1.0
+    assert engine_modes.summary_rows(results)[2][3] is True
