@@ -15,13 +15,13 @@ a chunk may stop inside longer prompts is tested on vLLM's real scheduler
 
 from __future__ import annotations
 
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from harness.server_metrics import scrape_total
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.demo.tiny_model import build_tiny_model
 from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
@@ -57,12 +57,6 @@ def server(hybrid_model: str):
         yield url
 
 
-def admitted(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    match = re.search(rf"^{re.escape(ADMITTED)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
 def complete(
     url: str, model: str, user: str, max_tokens: int, prompt: str = PROMPT
 ) -> list[str]:
@@ -89,7 +83,7 @@ def complete(
 def test_a_throttled_hybrid_user_is_paused_at_its_limit_beside_others(
     server, hybrid_model
 ) -> None:
-    before = admitted(server)
+    before = scrape_total(server, ADMITTED)
     spec = LoadSpec(
         base_url=server,
         model=hybrid_model,
@@ -109,7 +103,7 @@ def test_a_throttled_hybrid_user_is_paused_at_its_limit_beside_others(
     assert result.user("free").rate_tok_s > 3 * SLOW
     time.sleep(2.5)  # the API server polls the engine once a second
     # Net charges equal the tokens the user received.
-    assert admitted(server) - before == slow.tokens_client
+    assert scrape_total(server, ADMITTED) - before == slow.tokens_client
 
 
 def test_a_paused_hybrid_request_keeps_its_mamba_state(server, hybrid_model) -> None:
