@@ -137,11 +137,9 @@ def accuracy(model: str, mode: Mode, seconds: float) -> dict[str, Any]:
     )
     limiter = CountingLimiter(FREE_LIMIT, {"limited": LIMIT}, clock=h.clock)
     h.scheduler.output_rate.use_limiter(limiter)
-    for i in range(2 * STREAMS):
-        user = "limited" if i < STREAMS else "free"
-        h.add(user, prompt_len=PROMPT_TOKENS, max_tokens=100_000, **per_request(i))
-    for _ in range(int(seconds * S / STEP_NS)):
-        h.step(STEP_NS)
+    _add_streams(h, "limited", per_request)
+    _add_streams(h, "free", per_request)
+    _run_for(h, seconds)
     h.drain()
     times = sorted(h.sampled_at("limited"))
     try:
@@ -166,11 +164,23 @@ def _free_alone_on_stock(model: str, mode: Mode, seconds: float) -> float:
     """The free user's rate with the engine to itself, on stock vLLM."""
     options, per_request = mode
     h = _scheduler(model, options, None)
+    _add_streams(h, "free", per_request)
+    _run_for(h, seconds)
+    return _rate(h.sampled_at("free"))
+
+
+def _add_streams(
+    h: SchedulerHarness, user: str, per_request: Callable[[int], dict[str, Any]]
+) -> None:
+    """``STREAMS`` requests of ``user`` that do not end."""
     for i in range(STREAMS):
-        h.add("free", prompt_len=PROMPT_TOKENS, max_tokens=100_000, **per_request(i))
+        h.add(user, prompt_len=PROMPT_TOKENS, max_tokens=100_000, **per_request(i))
+
+
+def _run_for(h: SchedulerHarness, seconds: float) -> None:
+    """``seconds`` of fake time in ``STEP_NS`` steps."""
     for _ in range(int(seconds * S / STEP_NS)):
         h.step(STEP_NS)
-    return _rate(h.sampled_at("free"))
 
 
 def _rate(times: list[int]) -> float:

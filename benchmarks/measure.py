@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import psutil
 
-from harness.server_metrics import metric_total
 from vllm_output_rate.demo.server import RunningServer
 from vllm_output_rate.loadtest import LoadResult
 from vllm_output_rate.loadtest.summary import percentile
@@ -67,9 +66,9 @@ def wait_until_drained(url: str, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            text = httpx.get(url + "/metrics", timeout=30).text
-            busy = metric_total(text, "vllm:num_requests_running") + metric_total(
-                text, "vllm:num_requests_waiting"
+            totals = metric_totals(url)
+            busy = totals.get("vllm:num_requests_running", 0.0) + totals.get(
+                "vllm:num_requests_waiting", 0.0
             )
             if busy == 0:
                 return True
