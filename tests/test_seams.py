@@ -20,12 +20,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from harness.scheduler_sim import make_scheduler
 from vllm_output_rate import seams as seams_module
-from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, USER_ATTR
-from vllm_output_rate.scheduling.scheduler import (
+from vllm_output_rate.integration.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateMixin,
     OutputRateScheduler,
 )
+from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, USER_ATTR
 from vllm_output_rate.vllm_source import LiveSource, StaticSource
 
 # The vLLM methods the subclasses override on purpose (listed in seams.py).

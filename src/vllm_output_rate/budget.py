@@ -11,13 +11,17 @@ Two implementations, chosen at start-up like the storage backends of the
 
 The policy calls only what is listed here, once per step in one batch
 (``take_many``) plus refunds at its single refund point (with speculative
-decoding, also refunds of drafts a later report says were rejected).
+decoding, also refunds of drafts a later report says were rejected). The last
+four calls are what a shared store needs of the engine: a view of whether it
+has requests, the step's demand between steps (leases follow it), answers
+applied while the engine is idle, and the store's state for operators. The
+embedded limiter does nothing there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, KeysView, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterable, KeysView, Mapping
+from typing import Any, Protocol
 
 
 class Budget(Protocol):
@@ -69,3 +73,20 @@ class Budget(Protocol):
         user_rates: Mapping[str, float] | None = None,
         remove_users: Iterable[str] = (),
     ) -> None: ...
+
+    def attach(self, has_requests: Callable[[], bool]) -> None:
+        """``has_requests()``: whether the engine has unfinished requests."""
+        ...
+
+    def between_steps(self, demand: Mapping[str, int], generation: object) -> None:
+        """Before a step's reservation: its unfinished requests per user
+        (``generation`` changes whenever a user joins or leaves them)."""
+        ...
+
+    def apply_pending(self) -> None:
+        """Apply what arrived since the last step (an idle engine takes none)."""
+        ...
+
+    def store_snapshot(self) -> dict[str, Any] | None:
+        """The shared store's state for operators; None without a store."""
+        ...

@@ -45,6 +45,9 @@ METRICS_RECENT_KEY = "metrics_recent_users"
 WEIGHTS_KEY = "user_output_weight"
 FLOORS_KEY = "user_min_output_tokens_per_second"
 CAPACITY_KEY = "engine_capacity_tokens_per_second"
+# false: run every step on the reference path, without the speed-only
+# shortcuts (scheduling/shortcuts.py); the same decisions, more CPU.
+SHORTCUTS_KEY = "shortcuts"
 # The largest weight: a million times the default keeps virtual service
 # counters well inside a float's precision.
 MAX_WEIGHT = 1e6
@@ -185,6 +188,8 @@ class OutputRateSettings:
     user_weights: Mapping[str, float] = field(default_factory=dict)
     user_floors: Mapping[str, float] = field(default_factory=dict)
     engine_capacity: float | None = None
+    # The step's speed-only shortcuts (off: the reference path).
+    shortcuts: bool = True
 
     def ceiling_of(self, user: str) -> float:
         return self.user_rates.get(user, self.default_rate)
@@ -200,6 +205,7 @@ class OutputRateSettings:
             WEIGHTS_KEY: dict(self.user_weights),
             FLOORS_KEY: dict(self.user_floors),
             CAPACITY_KEY: self.engine_capacity,
+            SHORTCUTS_KEY: self.shortcuts,
             **(self.store.to_config() if self.store else {}),
         }
 
@@ -221,10 +227,16 @@ class OutputRateSettings:
                 METRICS_USERS_KEY,
                 METRICS_RECENT_KEY,
                 *FAIR_KEYS,
+                SHORTCUTS_KEY,
                 *STORE_KEYS,
             ),
             where,
         )
+        shortcuts = section.get(SHORTCUTS_KEY, True)
+        if not isinstance(shortcuts, bool):
+            raise OutputRateConfigError(
+                f"{where}[{SHORTCUTS_KEY!r}] must be true or false, got {shortcuts!r}"
+            )
         settings = merge_settings(
             config_file=section.get(FILE_KEY),
             default_rate=section.get(DEFAULT_KEY),
@@ -239,7 +251,7 @@ class OutputRateSettings:
         )
         if settings is None:
             return None
-        return settings.with_metrics_labels(
+        return replace(settings, shortcuts=shortcuts).with_metrics_labels(
             section.get(METRICS_USERS_KEY),
             section.get(METRICS_RECENT_KEY),
             users_source=f"{where}[{METRICS_USERS_KEY!r}]",

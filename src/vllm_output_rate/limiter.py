@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, KeysView, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from vllm_output_rate.validation import validate_rate, validate_user_name
 
@@ -427,3 +428,18 @@ class OutputRateLimiter:
     def __len__(self) -> int:
         """Number of users with state (those not idle at the last cleanup)."""
         return len(self._tat) + len(self._group_taken)
+
+    # ----- what a shared store's limiter adds (budget.Budget): nothing here
+
+    def attach(self, has_requests: Callable[[], bool]) -> None:
+        """The engine's own budget needs no view of the engine."""
+
+    def between_steps(self, demand: Mapping[str, int], generation: object) -> None:
+        """Nothing to synchronise: the budget is this engine's own."""
+
+    def apply_pending(self) -> None:
+        """Nothing arrives from elsewhere."""
+
+    def store_snapshot(self) -> dict[str, Any] | None:
+        """No shared store: nothing to show."""
+        return None

@@ -34,7 +34,7 @@ calls them:
   installed vLLM; a source tree is not imported, so not there), and reads
   the path prefixes vLLM's own ``--api-key`` guards.
 
-Overridden by the scheduler subclasses (``scheduling/scheduler.py``):
+Overridden by the scheduler subclasses (``integration/scheduler.py``):
 ``schedule``, ``add_request``, ``shutdown`` (a shared store's refresher),
 ``get_grammar_bitmask`` (the step is settled there: ``EngineCore.step``
 calls it after handing the step to the worker and before waiting for the
@@ -138,6 +138,7 @@ class SchedulerHost:
     max_num_scheduled_tokens: int  # the token budget of one step
     max_model_len: int
     scheduler_reserve_full_isl: bool  # admission needs the whole prompt's KV
+    current_step: int  # counted by schedule(), first thing
 
     # The methods the subclasses override (the bodies are vLLM's).
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -201,6 +202,8 @@ REQUEST_FIELDS = (
     "sampling_params",
     "lora_request",
     "mm_features",
+    "num_prompt_tokens",
+    "next_decode_eligible_step",
 )
 
 
@@ -221,6 +224,23 @@ def preempt(scheduler: SchedulerHost, request: Request) -> None:
 def num_free_kv_blocks(scheduler: SchedulerHost) -> int:
     """KV blocks vLLM can allocate now (free or evictable cached ones)."""
     return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def passed_over_next_step(scheduler: SchedulerHost, request: Request) -> bool:
+    """Whether vLLM's running loop will pass a running ``request`` over in
+    the next ``schedule()`` before sizing a chunk for it (so the hook never
+    sees it): with asynchronous scheduling once its last token is scheduled
+    (``num_output_placeholders``), with pipeline parallelism until its next
+    decode is eligible. Call it before ``schedule()``, which first counts
+    ``current_step`` up."""
+    return bool(
+        (
+            request.num_output_placeholders > 0
+            and request.num_computed_tokens + 2 - request.num_output_placeholders
+            >= request.num_prompt_tokens + request.max_tokens
+        )
+        or scheduler.current_step + 1 < request.next_decode_eligible_step
+    )
 
 
 def num_kv_cache_groups(scheduler: SchedulerHost) -> int:
@@ -381,6 +401,25 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
         "self.finished_req_ids.add(",
         "Scheduler._free_request records finished_req_ids",
     ),
+    # A kept batch is served whole (scheduling/shortcuts.py).
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self.current_step += 1",
+        "Scheduler.schedule counts current_step up first",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "request.num_computed_tokens + 2 - request.num_output_placeholders",
+        "Scheduler.schedule passes over a request whose last token is scheduled",
+    ),
+    (
+        _SCHEDULER,
+        "Scheduler.schedule",
+        "self.current_step < request.next_decode_eligible_step",
+        "Scheduler.schedule passes over a request not yet eligible to decode",
+    ),
     # Lock-out rules (scheduling/residency.py).
     (
         _SCHEDULER,
@@ -465,7 +504,7 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
         "self.batch_queue",
         "EngineCore keeps its batches in flight in batch_queue",
     ),
-    # Where a step is settled while the model runs (scheduling/scheduler.py).
+    # Where a step is settled while the model runs (integration/scheduler.py).
     (
         "vllm.v1.engine.core",
         "EngineCore.step",

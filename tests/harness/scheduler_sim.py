@@ -14,9 +14,10 @@ With ``num_spec_tokens`` the engine configuration has n-gram speculative
 decoding: after each synchronous step the harness proposes draft tokens for
 every request that sampled (``proposals``), as vLLM's drafter does, and the
 model accepts some of the drafts a step verifies (``acceptance``; by default
-a seeded uniform draw), emitting the accepted drafts plus one token. Drafts
-vLLM pads with ``-1`` (a request just taken from the waiting queue) are
-always rejected, as vLLM's rejection sampler does.
+a uniform draw seeded by the request and its output position), emitting the
+accepted drafts plus one token. Drafts vLLM pads with ``-1`` (a request
+just taken from the waiting queue) are always rejected, as vLLM's rejection
+sampler does.
 
 ``hybrid=True`` adds a Mamba state group to the KV cache (vLLM's hybrid
 allocator, states cached at block boundaries: ``mamba_cache_mode="align"``);
@@ -103,7 +104,10 @@ class SchedulerHarness:
     # how many of a step's drafts the model accepts.
     proposals: Callable[[Request], int] | None = None
     acceptance: Acceptance | None = None
-    rng: random.Random = field(default_factory=lambda: random.Random(15))
+    # The default acceptance's seed: a request's draws depend on it, the
+    # request and its output position only, never on the order in which a
+    # step lists its requests.
+    seed: int = 15
     # Every (request, step) the scheduler dispatched, in order.
     dispatches: list[Dispatch] = field(default_factory=list)
     # request id -> output token ids received so far (from update_from_output)
@@ -310,7 +314,8 @@ class SchedulerHarness:
     def _accepted(self, request_id: str, drafts: int) -> int:
         if self.acceptance is not None:
             return self.acceptance(self.scheduler.requests[request_id], drafts)
-        return self.rng.randint(0, drafts)
+        position = len(self.outputs[request_id])
+        return random.Random(f"{self.seed}/{request_id}/{position}").randint(0, drafts)
 
     def _propose_drafts(self, req_ids: list[str]) -> None:
         """What vLLM's engine does after a synchronous step: hand the
@@ -530,7 +535,7 @@ def make_scheduler(
 def _default_class(limited: bool, is_async: bool) -> type[Scheduler]:
     if not limited:
         return AsyncScheduler if is_async else Scheduler
-    from vllm_output_rate.scheduling.scheduler import (
+    from vllm_output_rate.integration.scheduler import (
         OutputRateAsyncScheduler,
         OutputRateScheduler,
     )

@@ -26,6 +26,7 @@ from harness.bounds import MS, assert_bound
 from harness.scheduler_sim import SchedulerHarness
 from vllm_output_rate.scheduling.demand import user_of
 from vllm_output_rate.scheduling.fair_share import PREFILL_TOKEN_COST, TURN_TOKENS
+from vllm_output_rate.scheduling.step import StepMode
 
 STEP_NS = 10 * MS
 FAR = 100_000.0  # a limit far above what a 10 ms step can give anyone
@@ -303,40 +304,29 @@ TIGHT_KV = (REPLACED[0], 3, {"max_num_seqs": 40, "num_blocks": 48})
 class KeepingRun:
     per_step: list[list[tuple[str, int]]]  # (request, tokens) dispatched
     kept: int  # steps that kept the batch
-    stock_hook: int  # of those, steps that left vLLM's own hook in place
+    vllm_hook: int  # of those, steps that left vLLM's own hook in place
     set_aside: int  # of those, steps with running requests set aside
     preempted: int
 
 
 def run_keeping(
-    limited, tenants, active, steps: int, max_tokens: int | None = None, **kwargs
+    limited,
+    tenants,
+    active,
+    steps: int,
+    max_tokens: int | None = None,
+    *,
+    shortcuts: bool = True,
+    **kwargs,
 ) -> KeepingRun:
     """Run a saturated load, counting the steps that kept the batch and
     checking, in each, that running requests keep their order (set-aside
-    ones come back where they were) and that a kept look at the counters
-    agrees with a full one. ``max_tokens``: each request ends there and is
-    replaced at once (default: requests never end)."""
-    h = start(limited, tenants, active, **kwargs)
+    ones come back where they were) and that the slack the kept batch goes
+    by agrees with a full look at the counters. ``max_tokens``: each request
+    ends there and is replaced at once (default: requests never end)."""
+    h = start(limited, tenants, active, shortcuts=shortcuts, **kwargs)
     policy = h.scheduler.output_rate
-    decide, set_aside_unkept = policy._keeps_batch, policy._set_aside_unkept
     run = KeepingRun([], 0, 0, 0, 0)
-
-    def counted(everyone_covered: bool) -> bool:
-        keeps = decide(everyone_covered)
-        run.kept += keeps
-        if keeps:
-            # The slack says the batch still ranks first: a full look
-            # at the keys must agree (kept_batch.py, "the lead holds").
-            kept = policy._kept
-            assert kept is not None
-            assert kept._lead(policy.fair, policy._user_last_served) is not None
-        return keeps
-
-    def counted_set_aside() -> bool:
-        stock = set_aside_unkept()
-        run.stock_hook += stock
-        run.set_aside += stock and bool(policy._set_aside)
-        return stock
 
     def replace_ended() -> None:
         left = Counter(user_of(r) for r in h.scheduler.requests.values())
@@ -344,18 +334,26 @@ def run_keeping(
             for _ in range(tenant.streams - left[user]):
                 h.add(user, prompt_len=tenant.prompt_len, max_tokens=max_tokens)
 
-    policy._keeps_batch = counted
-    policy._set_aside_unkept = counted_set_aside
     for _ in range(steps):
         if max_tokens is not None:
             replace_ended()
         before = len(h.dispatches)
         running = [r.request_id for r in h.scheduler.running]
+        # A full look at the keys, as the next step will find them.
+        kept = getattr(policy.shortcuts, "kept", None)
+        lead = kept and kept.lead(policy.fair, policy.user_last_served)
         output = h.step(STEP_NS)
+        step = policy.step
         gone = set(output.preempted_req_ids or ()) | output.finished_req_ids
         run.preempted += len(output.preempted_req_ids or ())
         after = [r.request_id for r in h.scheduler.running]
-        if policy._keeping:  # (a ranked step orders the list afresh)
+        if step.mode is StepMode.KEPT:  # (a ranked step orders the list afresh)
+            run.kept += 1
+            run.vllm_hook += step.vllm_hook
+            run.set_aside += bool(step.set_aside)
+            # The slack says the batch still ranks first: a full look at the
+            # keys must agree (kept_batch.py, "the lead holds").
+            assert lead is not None
             survivors = [r for r in running if r not in gone]
             assert after[: len(survivors)] == survivors  # then admissions
         run.per_step.append(
@@ -367,14 +365,15 @@ def run_keeping(
 
 @pytest.mark.parametrize("scenario", [*KEEPING_SCENARIOS, "replaced", "tight-kv"])
 def test_keeping_the_batch_serves_what_ranking_every_step_serves(
-    limited, monkeypatch, is_async, scenario
+    limited, is_async, scenario
 ) -> None:
     """A step that keeps the last ranking's batch (kept_batch.py) must
     dispatch exactly what ranking afresh would have: the same requests and
     tokens in every step (and the same preemptions when KV blocks run
     short), so the bound above is untouched. And on a saturated engine
     most steps keep it (that is the point: ranking costs), most of them
-    with vLLM's own hook in place when scheduling is synchronous."""
+    with vLLM's own hook in place when scheduling is synchronous.
+    (test_shortcuts.py compares every shortcut on randomized workloads.)"""
     max_tokens = None
     if scenario in ("replaced", "tight-kv"):
         tenants, active, kwargs = REPLACED if scenario == "replaced" else TIGHT_KV
@@ -382,17 +381,11 @@ def test_keeping_the_batch_serves_what_ranking_every_step_serves(
     else:
         (tenants, active), kwargs = KEEPING_SCENARIOS[scenario], {}
     steps = 300
-
-    def run() -> KeepingRun:
-        return run_keeping(limited, tenants, active, steps, max_tokens, **kwargs)
-
-    keeping = run()
-    monkeypatch.setattr(
-        "vllm_output_rate.scheduling.policy.OutputRatePolicy._keeps_batch",
-        lambda self, everyone_covered: False,
+    keeping = run_keeping(limited, tenants, active, steps, max_tokens, **kwargs)
+    ranking = run_keeping(
+        limited, tenants, active, steps, max_tokens, shortcuts=False, **kwargs
     )
-    ranking = run()
-    assert ranking.kept == ranking.stock_hook == 0
+    assert ranking.kept == ranking.vllm_hook == 0
     for step, (a, b) in enumerate(zip(keeping.per_step, ranking.per_step, strict=True)):
         assert a == b, f"step {step}: kept {a}, ranked {b}"
     assert keeping.preempted == ranking.preempted
@@ -404,11 +397,11 @@ def test_keeping_the_batch_serves_what_ranking_every_step_serves(
     # while KV blocks are ample, setting running requests aside in section
     # 9's load.
     if is_async:
-        assert keeping.stock_hook == 0
+        assert keeping.vllm_hook == 0
     elif scenario == "tight-kv":
         assert keeping.preempted > 0
     else:
-        assert keeping.stock_hook >= keeping.kept * 0.5, keeping
+        assert keeping.vllm_hook >= keeping.kept * 0.5, keeping
     if scenario == "replaced" and not is_async:
         assert keeping.set_aside >= keeping.kept * 0.5, keeping
 
@@ -417,8 +410,8 @@ def test_a_kept_step_short_of_kv_blocks_keeps_the_batch_with_its_own_hook(
     limited, is_async
 ) -> None:
     """With fewer free blocks than the batch may take, vLLM would preempt
-    the last running request, a set-aside one being off the list: the
-    kept step then runs with our hook and everyone on ``running``."""
+    the last running request, a set-aside one being off the list: a kept
+    step then runs with our hook and everyone on ``running``."""
     if is_async:
         pytest.skip("asynchronous scheduling never sets requests aside")
     tenants, active, kwargs = REPLACED
@@ -427,15 +420,16 @@ def test_a_kept_step_short_of_kv_blocks_keeps_the_batch_with_its_own_hook(
     for _ in range(20):
         h.step(STEP_NS)
     assert len(h.scheduler.running) > active  # residents waiting their turn
-    assert policy._set_aside_unkept()  # blocks are ample so far
-    policy.end_step_cleanup({})
-    policy._set_aside = []  # as the next step's begin_step does
+    assert policy.step.mode is StepMode.KEPT and policy.step.vllm_hook
     blocks = h.scheduler.kv_cache_manager.block_pool
-    free = blocks.get_num_free_blocks()
-    taken = blocks.get_new_blocks(free - active)  # fewer than the margin
-    running = list(h.scheduler.running)
-    assert not policy._set_aside_unkept()
-    assert h.scheduler.running == running and policy._set_aside == []
+    taken = blocks.get_new_blocks(blocks.get_num_free_blocks() - active)
+    kept_steps = 0
+    for _ in range(10):
+        h.step(STEP_NS)
+        if policy.step.mode is StepMode.KEPT:
+            kept_steps += 1
+            assert not policy.step.vllm_hook and not policy.step.set_aside
+    assert kept_steps
     blocks.free_blocks(taken)
     h.settle()
 

@@ -21,6 +21,7 @@ import pytest
 from harness.bounds import MS, S, assert_bound
 from harness.scheduler_sim import SchedulerHarness
 from vllm_output_rate.scheduling.demand import user_of
+from vllm_output_rate.scheduling.step import Step
 
 STEP_NS = 10 * MS
 LIGHT = 1000.0  # the light users' limit: far from binding at 10 ms steps
@@ -232,11 +233,10 @@ def test_the_recompute_count_is_the_prefill_done_again(limited) -> None:
 
 def test_queued_throttled_streams_cost_no_scan(limited, monkeypatch) -> None:
     h = limited(LIGHT, {"hog": 5}, max_num_seqs=16)
-    policy = h.scheduler.output_rate
     calls = []
-    admit = policy.admit_waiting
+    admit = Step.admit_waiting
     monkeypatch.setattr(
-        policy, "admit_waiting", lambda r: calls.append(h.steps) or admit(r)
+        Step, "admit_waiting", lambda step, r: calls.append(h.steps) or admit(step, r)
     )
     h.add("light", max_tokens=2000)  # it claims a slot, so the hog is capped
     for _ in range(2000):

@@ -21,8 +21,8 @@ from harness.scheduler_sim import (
     SchedulerHarness,
     make_scheduler,
 )
+from vllm_output_rate.integration.scheduler import OutputRateMixin
 from vllm_output_rate.scheduling.demand import USER_ATTR
-from vllm_output_rate.scheduling.scheduler import OutputRateMixin
 
 # ----- semantics 1-4 ------------------------------------------------------
 
@@ -509,7 +509,7 @@ def test_no_vllm_code_sees_a_step_before_it_is_settled(
     finish_step = policy.finish_step
 
     def spied_finish_step() -> None:
-        if policy._unfinished_step is not None:
+        if policy.unsettled is not None:
             settled_in[sys._getframe(1).f_code.co_name] += 1
         finish_step()
 
@@ -520,7 +520,7 @@ def test_no_vllm_code_sees_a_step_before_it_is_settled(
         base = getattr(Scheduler, name)
 
         def spied(self, *args, **kwargs):
-            if policy._unfinished_step is not None:
+            if policy.unsettled is not None:
                 unsettled_in.append(name)
             return base(self, *args, **kwargs)
 

@@ -99,14 +99,14 @@ def test_our_scheduler_starts_and_stops_its_refresher(
         },
     )
     policy = harness.scheduler.output_rate
-    assert isinstance(policy.leases, LeasedLimiter)
+    assert isinstance(policy.limiter, LeasedLimiter)
     harness.add("u", max_tokens=1000)
     assert policy.on_close  # the refresher's stop
     deadline = time.monotonic() + 5
-    while policy.leases.lease_rate("u") is None and time.monotonic() < deadline:
+    while policy.limiter.lease_rate("u") is None and time.monotonic() < deadline:
         harness.step()
         time.sleep(0.01)
-    assert policy.leases.lease_rate("u") == 40.0
+    assert policy.limiter.lease_rate("u") == 40.0
     assert policy.metrics_snapshot()["store"]["leases"] == 1
     assert policy.users_snapshot(10)["store"]["leases"] == 1
     harness.scheduler.shutdown()

@@ -65,7 +65,7 @@ def spec_limited(tiny_model_path: str, mode: tuple[bool, int]):
         limiter = harness.scheduler.output_rate.limiter
         assert +limiter.net == harness.received_tokens()
         # Every step was reported and settled: nothing is kept.
-        assert not harness.scheduler.output_rate.speculative.unsettled_steps()
+        assert not harness.scheduler.output_rate.accounting.ledger.unsettled_steps()
 
 
 def accept_by_hash(request, drafts: int) -> int:
@@ -131,7 +131,7 @@ def test_the_bound_holds_for_random_traffic(spec_limited, seed: int) -> None:
         max_num_batched_tokens=rng.choice([64, 512]),
         num_spec_tokens=rng.choice([1, 3, 5]),
     )
-    h.rng = random.Random(seed)
+    h.seed = seed
     h.proposals = lambda _request: rng.randint(0, h.num_spec_tokens)
     expected: dict[str, int] = {}
     for _ in range(40):
@@ -302,7 +302,7 @@ def test_fast_steps_charge_every_draft_and_a_binding_user_leaves_them(
     # charged short would show as tokens beyond the bound.
     h = spec_limited(1e6, {"edge": 250})
     h.acceptance = lambda _request, drafts: drafts
-    ledger = h.scheduler.output_rate.speculative
+    ledger = h.scheduler.output_rate.accounting.ledger
     checks: list[bool] = []
     all_full = ledger._all_full
     monkeypatch.setattr(

@@ -23,8 +23,8 @@ from vllm_output_rate.validation import OutputRateConfigError
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-SYNC_SCHEDULER = "vllm_output_rate.scheduling.scheduler.OutputRateScheduler"
-ASYNC_SCHEDULER = "vllm_output_rate.scheduling.scheduler.OutputRateAsyncScheduler"
+SYNC_SCHEDULER = "vllm_output_rate.integration.scheduler.OutputRateScheduler"
+ASYNC_SCHEDULER = "vllm_output_rate.integration.scheduler.OutputRateAsyncScheduler"
 OUR_SCHEDULERS = {SYNC_SCHEDULER, ASYNC_SCHEDULER}
 # vLLM's CPU platform turns asynchronous scheduling off; this switches it back
 # on (used by the end-to-end tests of the async scheduler on CPU machines).

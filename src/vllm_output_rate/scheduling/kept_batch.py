@@ -74,13 +74,13 @@ class KeptBatch:
         self.slack -= grown
         if self.slack > _rounding(fair.level):
             return True
-        lead = self._lead(fair, user_last_served)
+        lead = self.lead(fair, user_last_served)
         if lead is None:
             return False
         self.slack = lead
         return True
 
-    def _lead(
+    def lead(
         self, fair: FairShare, user_last_served: Mapping[str, int]
     ) -> float | None:
         """How far every pick's key ranks ahead of every rival's, in

@@ -4,15 +4,16 @@ The admin endpoint, the metrics collector, ``top`` and the shared store's
 refresher go through these methods, over the engine's RPC: the limits in
 force, an all-or-nothing change of them, and bounded snapshots of the
 per-user counters. ``OutputRatePolicy`` (``policy.py``) inherits them; they
-read the policy's limiter, fair shares, statistics and leases, and a change
-drops the kept batch (``kept_batch.py``), whose ranking it may alter.
+read the policy's limiter (and through it a shared store's state), fair
+shares and statistics, and a change makes the step's shortcuts forget what
+they kept (``shortcuts.py``): a kept batch's ranking may change with it.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import (
@@ -25,9 +26,10 @@ from vllm_output_rate.config import (
     parse_limits_update,
 )
 from vllm_output_rate.scheduling.fair_share import FairShare
-from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
-from vllm_output_rate.store.leases import LeasedLimiter
+
+if TYPE_CHECKING:
+    from vllm_output_rate.scheduling.shortcuts import StepLayers
 
 # The metrics label of the default limit.
 DEFAULT_LABEL = "__default__"
@@ -37,10 +39,9 @@ class OperatorView:
     # Set by OutputRatePolicy.
     settings: OutputRateSettings
     limiter: Budget
-    leases: LeasedLimiter | None
     fair: FairShare
     stats: OutputRateStats
-    _kept: KeptBatch | None
+    shortcuts: StepLayers
     _logger: logging.Logger
 
     def limits(self) -> dict[str, Any]:
@@ -55,8 +56,7 @@ class OperatorView:
         limit, weight or floor of their own, in name order after the name
         ``after``; with the cursor of the next page (None at the end) and
         the number of such users. A page is a valid body for a change."""
-        if self.leases is not None:
-            self.leases.apply_pending()  # an idle engine takes no steps
+        self.limiter.apply_pending()  # an idle engine takes no steps
         limiter, fair = self.limiter, self.fair
         rates, weights, floors = limiter.user_rates, fair.weights, fair.floors
         names = sorted(rates.keys() | weights.keys() | floors.keys())
@@ -98,7 +98,7 @@ class OperatorView:
             remove_users=update.remove_users,
         )
         fair.update(update.user_weights, update.user_floors, update.remove_users)
-        self._kept = None
+        self.shortcuts.forget()
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
 
     def limits_summary(self) -> str:
@@ -144,7 +144,8 @@ class OperatorView:
 
     def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         """``snapshot`` plus the shared store's state, when there is one."""
-        if self.leases is not None:
-            self.leases.apply_pending()  # an idle engine takes no steps
-            snapshot["store"] = self.leases.store_snapshot()
+        self.limiter.apply_pending()  # an idle engine takes no steps
+        store = self.limiter.store_snapshot()
+        if store is not None:
+            snapshot["store"] = store
         return snapshot

@@ -25,31 +25,29 @@ from vllm_output_rate.budget import Budget
 
 
 class StepBudget:
-    def __init__(self, limiter: Budget, max_tokens_per_step: int) -> None:
+    """One step's reservation: made at the start of the step, settled at its end."""
+
+    def __init__(
+        self, limiter: Budget, demand: Mapping[str, int], max_tokens_per_step: int
+    ) -> None:
+        """Reserve each user's allowance for the step, up to its ``demand``:
+        the most tokens its unfinished requests could sample in the step. No
+        user can sample more than ``max_tokens_per_step`` (requests
+        scheduled in a step, times the tokens each can emit)."""
         self.limiter = limiter
-        # No user can sample more tokens than requests are scheduled in a step.
         self._max_tokens_per_step = max_tokens_per_step
-        self._reserved: dict[str, int] = {}  # user -> tokens reserved this step
-        self._remaining: dict[str, int] = {}  # user -> reserved and not yet spent
-        self.refused_users: set[str] = set()
-        self.taken_ns = 0
-
-    def begin_step(self, demand: Mapping[str, int]) -> bool:
-        """Reserve each user's allowance for the step, up to its ``demand``.
-
-        ``demand`` maps users to the most tokens they could sample in the
-        step (their unfinished requests). Returns whether every user got all
-        of it, i.e. nobody can be refused in this step.
-        """
-        self.refused_users.clear()
-        cap = self._max_tokens_per_step
-        if demand and max(demand.values()) > cap:
-            demand = {user: min(count, cap) for user, count in demand.items()}
-        self._reserved = self.limiter.take_many(demand)
+        if demand and max(demand.values()) > max_tokens_per_step:
+            demand = {
+                user: min(count, max_tokens_per_step) for user, count in demand.items()
+            }
+        # user -> tokens reserved this step, and reserved and not yet spent.
+        self._reserved: dict[str, int] = limiter.take_many(demand)
+        self._remaining: dict[str, int] = dict(self._reserved)
+        # Whether every user got all it asked for: nobody can be refused.
+        self.covers_demand = self._reserved == demand
         # The time the step's tokens were admitted (the dispatch log's stamp).
-        self.taken_ns = self.limiter.last_take_ns
-        self._remaining = dict(self._reserved)
-        return self._reserved == demand
+        self.taken_ns = limiter.last_take_ns
+        self.refused_users: set[str] = set()
 
     @property
     def reserved(self) -> Mapping[str, int]:

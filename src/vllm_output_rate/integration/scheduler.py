@@ -5,28 +5,21 @@ through the hooks listed in ``seams.py``; every decision and all state live
 in the policy (``policy.py``), held under the one attribute these classes add
 to vLLM's scheduler: ``output_rate``. The overrides here only forward:
 
-* ``add_request``: tag the request with its user;
-* ``shutdown``: stop a shared store's refresher;
-* ``schedule``: begin the step (reserve budgets, order the running list),
-  run vLLM's step, note it for the policy to settle (charge, refund,
-  statistics). In a fast step (nobody can be refused, no active slot
-  contested) and in a kept step that can schedule only its batch, vLLM's
-  own ``_reserve_prefill_lookahead`` stands in for ours, as an instance
-  attribute for the duration of the step, which saves a Python call per
-  request;
-* ``get_grammar_bitmask``: settle the step. vLLM's engine calls it after it
-  has handed the step to the model worker and before it waits for the
-  output, so the settling runs while the model does (measured in
-  BENCHMARKS.md, section 9); every other override here settles first too,
-  so nothing sees the scheduler between a step and its settling. Only where
-  the time goes depends on the engine's order; what is charged does not;
-* ``update_from_output``: with speculative decoding, let the policy count
-  what each request of the reported step received (no limiter call);
-* ``add_request``, ``finish_requests``, ``update_draft_token_ids``,
-  ``reset_prefix_cache``: settle the step first;
-* ``_reserve_prefill_lookahead``: charge, hold back or skip a chunk;
-* ``_handle_blocked_waiting_request``: keep a throttled waiting request
-  queued without stopping vLLM's scan.
+* ``schedule``: begin the step (``policy.begin_step``), run vLLM's step,
+  undo the step's temporary changes, hand the output to the policy. In a
+  step a shortcut runs with vLLM's own ``_reserve_prefill_lookahead``
+  (``step.vllm_hook``), that hook stands in for ours as an instance
+  attribute for the duration of the step;
+* ``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``:
+  the step's ``on_chunk`` and ``admit_waiting``;
+* ``update_from_output``: let the step accounting count what each request
+  of the reported step received (bookkeeping only, never the limiter);
+* every entry point (``add_request``, ``get_grammar_bitmask``,
+  ``finish_requests``, ``update_draft_token_ids``, ``reset_prefix_cache``,
+  ``update_from_output``, ``shutdown``) settles the last step first, so no
+  vLLM code sees the scheduler between a step and its settling;
+* ``add_request``: tag the request with its user; ``shutdown``: stop a
+  shared store's refresher.
 """
 
 from __future__ import annotations
@@ -105,8 +98,8 @@ class OutputRateMixin(_Host):
                 ),
             ),
         )
-        # vLLM's own hook, bound once: the fast path's stand-in for ours.
-        self.output_rate.stock_hook = super()._reserve_prefill_lookahead
+        # vLLM's own hook, bound once: a shortcut's stand-in for ours.
+        self.output_rate.vllm_lookahead = super()._reserve_prefill_lookahead
         if settings.store is not None:
             parallel = vllm_config.parallel_config
             limiter, refresher = start_leasing(
@@ -139,16 +132,16 @@ class OutputRateMixin(_Host):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         policy = self.output_rate
-        stock_hook, moved_arrivals = policy.begin_step()
-        if stock_hook:
-            self.__dict__[HOOK] = policy.stock_hook
+        step = policy.begin_step()
+        if step.vllm_hook:
+            self.__dict__[HOOK] = policy.vllm_lookahead
         try:
             output = super().schedule(throttle_prefills)
         finally:
-            if stock_hook:
+            if step.vllm_hook:
                 del self.__dict__[HOOK]
-            policy.end_step_cleanup(moved_arrivals)
-        policy.end_step(output, stock_hook)
+            step.undo()
+        policy.end_step(step, output)
         return output
 
     def get_grammar_bitmask(
@@ -177,13 +170,11 @@ class OutputRateMixin(_Host):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         self.output_rate.finish_step()
-        ledger = self.output_rate.speculative
-        if ledger is None:
-            return super().update_from_output(scheduler_output, model_runner_output)
         # Bookkeeping only (what each request received), never the limiter.
-        ledger.before_report(scheduler_output)
+        accounting = self.output_rate.accounting
+        accounting.before_report(scheduler_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        ledger.reported(scheduler_output)
+        accounting.reported(scheduler_output)
         return outputs
 
     def _reserve_prefill_lookahead(
@@ -192,12 +183,14 @@ class OutputRateMixin(_Host):
         num_new_tokens = super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
-        return self.output_rate.on_chunk(request, num_computed_tokens, num_new_tokens)
+        return self.output_rate.step.on_chunk(
+            request, num_computed_tokens, num_new_tokens
+        )
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
             return False
-        return self.output_rate.admit_waiting(request)
+        return self.output_rate.step.admit_waiting(request)
 
 
 class OutputRateScheduler(OutputRateMixin, Scheduler):

@@ -1,0 +1,175 @@
+"""The plan of a contested step: who holds the slots, and in which order.
+
+A step is contested when someone may be refused or active slots are
+contested (``step.StepMode``). Before vLLM's ``schedule()`` runs it:
+
+1. When requests wait: resident slots and KV blocks go to users with budget
+   (``residency.py``): throttled residents are preempted for claimants,
+   throttled users do not refill slots ahead of their budget, and vLLM's
+   waiting scan is closed when nobody waiting can be admitted.
+2. When the last step refused someone or left running requests without an
+   active slot, or waiting requests of several users compete for the free
+   active slots (``crowded``): the running list is ordered. Throttled
+   requests go last (vLLM preempts the last one under KV pressure), a
+   user's streams take turns, and contested active slots go to the users
+   owed most service, running and waiting requests alike
+   (``ordering.share_slots`` by ``fair_share.FairShare.key``).
+
+The functions read and write the policy's long-lived state and the step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.request import Request
+
+from vllm_output_rate.scheduling import kv_room
+from vllm_output_rate.scheduling.demand import last_served_of, user_of
+from vllm_output_rate.scheduling.fair_share import TURN_TOKENS
+from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
+from vllm_output_rate.seams import num_free_kv_blocks, preempt
+
+if TYPE_CHECKING:
+    from vllm_output_rate.scheduling.policy import OutputRatePolicy
+    from vllm_output_rate.scheduling.residency import StepSlots
+    from vllm_output_rate.scheduling.step import Step
+
+NOTHING: Mapping[str, int] = MappingProxyType({})
+
+
+def crowded(policy: OutputRatePolicy) -> bool:
+    """Whether waiting requests of several users compete for fewer free
+    active slots than they are, with a resident slot free for them: then
+    the slots go by rank (``fair_share``), not by queue order."""
+    host = policy.host
+    running = len(host.running)
+    waiting = len(host.requests) - running
+    if waiting <= 0 or running >= host.max_num_running_reqs:
+        return False
+    free_active = min(policy.active_cap, host.max_num_running_reqs) - running
+    return waiting > free_active and len(policy.demand.unfinished) > 1
+
+
+def plan_contested(policy: OutputRatePolicy, step: Step, crowded: bool) -> None:
+    """Rules 1 and 2 of the module docstring, for ``step``."""
+    host = policy.host
+    if len(host.requests) > len(host.running):
+        _plan_residency(policy, step)
+    if policy.order_running or crowded:
+        _order_running(policy, step)
+
+
+# ----- resident slots and KV blocks (residency.py) ---------------------------
+
+
+def _plan_residency(policy: OutputRatePolicy, step: Step) -> None:
+    host = policy.host
+    unfinished = policy.demand.unfinished
+    slots = policy.residency.plan(
+        policy.limiter.now_ns(),
+        host.running,
+        unfinished,
+        step.budget.reserved,
+        policy.feed_cap,
+        host.max_num_running_reqs,
+    )
+    if slots.outstanding:
+        _reclaim(policy, slots)
+    state = (len(host.requests), len(host.running), num_free_kv_blocks(host))
+    if not policy.residency.scan_needed(slots, unfinished, state):
+        step.close_admission()  # nobody waiting can be admitted
+    step.slots = slots
+
+
+def _reclaim(policy: OutputRatePolicy, slots: StepSlots) -> None:
+    """Residency rule 1: preempt throttled residents for the claimants."""
+    host = policy.host
+    priority = host.policy == SchedulingPolicy.PRIORITY
+    claimants = len(slots.wanted)
+    kv_tight = num_free_kv_blocks(host) < kv_room.blocks_bound(host, claimants)
+    heads: dict[str, Request] = {}
+    if kv_tight or (priority and slots.free < slots.outstanding):
+        heads = kv_room.claimant_heads(host.waiting, slots.wanted)
+    required = kv_room.blocks_needed(host, heads.values()) if kv_tight else 0
+
+    def preempt_for_claimant(request: Request) -> None:
+        policy.residency.preempting(request)
+        preempt(host, request)
+
+    victims = policy.residency.reclaim(
+        slots,
+        host.running,
+        feeds=policy.feed_cap,
+        user_last_served=policy.user_last_served,
+        blocks_missing=lambda: required - num_free_kv_blocks(host),
+        preempt=preempt_for_claimant,
+        claim_priority=(
+            {user: r.priority for user, r in heads.items()} if priority else None
+        ),
+        fair=policy.fair,
+    )
+    if victims:
+        policy.stats.record_reclaimed(Counter(map(user_of, victims)))
+
+
+# ----- the running list -------------------------------------------------------
+
+
+def _order_running(policy: OutputRatePolicy, step: Step) -> None:
+    host, budget = policy.host, step.budget
+    ready = [r for r in host.running if budget.has_budget(user_of(r))]
+    throttled = [r for r in host.running if user_of(r) in budget.refused_users]
+    priority = host.policy == SchedulingPolicy.PRIORITY
+    slots = step.slots
+    # Claimants compete for the active slots by rank (FCFS only: under
+    # PRIORITY, waiting requests are admitted in vLLM's priority order).
+    waiting = slots.wanted if slots is not None and not priority else NOTHING
+    active = min(step.active_cap, host.max_num_running_reqs)
+    if len(ready) + sum(waiting.values()) > active:
+        if priority and slots is not None and slots.claimant_without_residents():
+            # A user with budget waiting with nothing resident has been
+            # served least recently of all: keep one slot for it (it may be
+            # anywhere in the queue: the scan skips throttled requests ahead
+            # of it).
+            step.running_cap = step.active_cap - 1
+        fair, last_served = policy.fair, policy.user_last_served
+        previous = step.number - 1
+
+        def turn_left(request: Request) -> int:
+            # A request keeps its turn while it was served in the last step.
+            return TURN_TOKENS if last_served_of(request) == previous else 0
+
+        ranking = step.ranking = share_slots(
+            ready,
+            user_of,
+            last_served_of,
+            lambda user, k, turn: fair.key(user, k, last_served.get(user, -1), turn),
+            turn_left=turn_left,
+            weight_of=fair.weight,
+            priority_of=(lambda r: r.priority) if priority else None,
+            limit_of=budget.remaining,
+            waiting=waiting,
+            slots=active,
+            room=slots.free if slots is not None else 0,
+        )
+        ready, granted = ranking.order, ranking.granted
+        if slots is not None and waiting:
+            slots.granted = granted
+            step.running_cap = active - sum(granted.values())
+    else:
+        ready = rotate_within_groups(
+            ready,
+            (lambda r: (user_of(r), r.priority)) if priority else user_of,
+            last_served_of,
+        )
+    # FCFS preempts the last running request: make that a throttled one.
+    host.running[:] = ready + throttled
+    if priority:
+        # PRIORITY preempts max(priority, arrival_time): within a priority,
+        # make throttled requests look newest for the duration of the step.
+        step.move_arrivals_last(throttled)

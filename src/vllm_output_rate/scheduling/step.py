@@ -1,0 +1,249 @@
+"""One scheduler step as a value, and the rules vLLM's per-request hooks apply.
+
+``OutputRatePolicy.begin_step`` makes a ``Step``: the step's reservation
+(``budget``), its ``mode`` and everything the step's rules write while vLLM's
+``schedule()`` runs. Nothing in it outlives the step: the next step is a new
+value, and ``settling.settle`` reads this one as a unit.
+
+The mode says what the step does to vLLM's lists:
+
+* ``UNCONTESTED``: every user's reservation covers its demand and no active
+  slot is contested, so nobody can be refused: vLLM's order stands;
+* ``CONTESTED``: someone may be refused or slots are contested: resident
+  slots and KV blocks go to users with budget and the running list is
+  ordered (``planning.py``);
+* ``KEPT``: contested, but the last ranking's batch still ranks first, so
+  it is served again without ranking (a shortcut, ``shortcuts.py``).
+
+While vLLM schedules, ``on_chunk`` (its ``_reserve_prefill_lookahead``)
+charges, holds back or skips each chunk, and ``admit_waiting`` (its
+``_handle_blocked_waiting_request``) decides whether a waiting request may
+be tried. ``undo`` puts back what the step changed of vLLM's scheduler for
+its duration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_output_rate.scheduling import kv_room
+from vllm_output_rate.scheduling.demand import user_of
+from vllm_output_rate.seams import num_free_kv_blocks
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_output_rate.scheduling.accounting import Accounting
+    from vllm_output_rate.scheduling.engine_modes import EngineModes
+    from vllm_output_rate.scheduling.ordering import SharedSlots
+    from vllm_output_rate.scheduling.residency import StepSlots
+    from vllm_output_rate.scheduling.step_budget import StepBudget
+    from vllm_output_rate.seams import SchedulerHost
+
+
+class StepMode(Enum):
+    UNCONTESTED = "uncontested"
+    CONTESTED = "contested"
+    KEPT = "kept"
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """What the per-request rules read that outlives a step."""
+
+    host: SchedulerHost
+    accounting: Accounting
+    modes: EngineModes
+    chunked_prefill: bool
+
+
+@dataclass(eq=False)
+class Step:
+    number: int
+    mode: StepMode
+    budget: StepBudget
+    rules: StepRules
+    # --max-num-active-seqs, and the active slots running requests may fill.
+    active_cap: int
+    running_cap: int
+    # A shortcut's step: vLLM's own hook stands in for ours, and the step's
+    # tokens are charged from its output (``shortcuts.py``).
+    vllm_hook: bool = False
+    # Requests our hook charged (request id -> request).
+    charged: dict[str, Request] = field(default_factory=dict)
+    # Running requests given an active slot.
+    active: int = 0
+    # Resident requests skipped for lack of budget.
+    throttled: list[Request] = field(default_factory=list)
+    # Users with a running request left without an active slot.
+    deferred_users: set[str] = field(default_factory=set)
+    # Residency accounts (a contested step in which requests wait).
+    slots: StepSlots | None = None
+    # vLLM's waiting scan is closed for the step.
+    admission_closed: bool = False
+    # How a contested step handed out its active slots (ordering.share_slots).
+    ranking: SharedSlots[Request] | None = None
+    # Claimants a kept step left waiting (its batch's ranking's).
+    kept_waiting_users: frozenset[str] | None = None
+    # Running requests off vLLM's list for the step (a kept step's).
+    set_aside: list[Request] = field(default_factory=list)
+    # Arrival times changed for the step (priority scheduling).
+    moved_arrivals: dict[Request, float] = field(default_factory=dict)
+    # What vLLM scheduled, and the clock when it had.
+    output: SchedulerOutput | None = None
+    end_ns: int = 0
+
+    # ----- vLLM's per-request hooks ---------------------------------------
+
+    def on_chunk(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """Charge, hold back or skip the chunk vLLM sized for ``request``.
+
+        Returns the tokens to compute for it in this step (0: skip it).
+        """
+        if num_new_tokens <= 0:
+            return num_new_tokens
+        in_running_loop = request.status == RequestStatus.RUNNING
+        user = user_of(request)
+        end = request.num_tokens + request.num_output_placeholders
+        samples = (
+            num_computed_tokens + num_new_tokens >= end
+            and request.request_id not in self.charged  # never charge twice
+        )
+        budget = self.budget
+        if samples and not budget.has_budget(user):
+            # No budget: compute the prompt up to the sampling position only.
+            rules = self.rules
+            held_back = rules.modes.hold_back_end(request, end) - num_computed_tokens
+            if not (rules.chunked_prefill and held_back > 0):
+                if in_running_loop:
+                    # Skipped: it keeps its KV blocks and worker slot but
+                    # gives its active slot to a waiting request.
+                    self.throttled.append(request)
+                    self._raise_admission_cap()
+                return 0
+            samples = False
+            num_new_tokens = min(num_new_tokens, held_back)
+        if in_running_loop:
+            if self.active >= self.running_cap:
+                # Deferred: no active slot left for it in this step. Like a
+                # throttled request, it does not count as active for the
+                # admission of waiting requests.
+                self.deferred_users.add(user)
+                self._raise_admission_cap()
+                return 0
+            self.active += 1
+        if samples:
+            # The most it can emit (with drafts: trimmed to the budget).
+            num_new_tokens, count = self.rules.accounting.charge(
+                request,
+                num_new_tokens - (end - num_computed_tokens),
+                num_new_tokens,
+                in_running_loop,
+                budget.remaining(user),
+            )
+            budget.spend(user, count)
+            self.charged[request.request_id] = request
+        return num_new_tokens
+
+    def _raise_admission_cap(self) -> None:
+        """Let a resident request that is skipped in this step not count.
+
+        vLLM admits a waiting request while ``len(running)`` is below
+        ``max_num_active_reqs``; each skipped resident request raises that
+        bar by one, never beyond ``--max-num-seqs`` (the worker slots).
+        """
+        if self.admission_closed:
+            return
+        host = self.rules.host
+        host.max_num_active_reqs = min(
+            host.max_num_running_reqs, host.max_num_active_reqs + 1
+        )
+
+    def admit_waiting(self, request: Request) -> bool:
+        """Whether vLLM may try to admit this waiting request now."""
+        rules = self.rules
+        if not rules.modes.adapter_fits(request, self.number, rules.host.running):
+            return False
+        user = user_of(request)
+        slots = self.slots
+        if slots is not None and request.request_id in slots.preempted_ids:
+            return False  # never resumed in the step that preempted it
+        if self.budget.has_budget(user):
+            # Slots taken back for claimants are theirs.
+            admit = slots is None or slots.may_take_a_slot(user)
+        elif slots is not None and not slots.may_prefill_ahead(user):
+            return False  # its place is for users with budget (residency rule 2)
+        else:
+            admit = self._may_prefill_ahead(request)
+        if admit and slots is not None:
+            slots.admitted(user)
+        return admit
+
+    def _may_prefill_ahead(self, request: Request) -> bool:
+        # The user has no budget, so this request could at most prefill up to
+        # its sampling position. Leave it in the queue (skipped, order kept)
+        # whenever admitting it could stop vLLM's scan for everyone behind
+        # it, or would only repeat work:
+        # - its first chunk may have to sample (nothing to prefill ahead);
+        # - it was preempted for KV space, which it would take again just to
+        #   wait;
+        # - its prompt does not fit in the free KV blocks (vLLM ends the scan
+        #   at a failed allocation).
+        host = self.rules.host
+        return not (
+            self.rules.modes.may_only_run_by_sampling(request)
+            or request.status == RequestStatus.PREEMPTED
+            or kv_room.blocks_for(host, request.num_tokens) > num_free_kv_blocks(host)
+        )
+
+    # ----- the step's temporary changes -----------------------------------
+
+    def close_admission(self) -> None:
+        """End vLLM's waiting scan at once: nobody waiting may be admitted."""
+        self.rules.host.max_num_active_reqs = 0
+        self.admission_closed = True
+
+    def move_arrivals_last(self, requests: list[Request]) -> None:
+        """Make ``requests`` look newest for the step (priority scheduling
+        preempts the request with the largest ``(priority, arrival_time)``)."""
+        for request in requests:
+            self.moved_arrivals[request] = request.arrival_time
+            request.arrival_time = math.inf
+
+    def undo(self) -> None:
+        """Put back what the step changed of vLLM's scheduler (also when
+        vLLM's step raised)."""
+        host = self.rules.host
+        host.max_num_active_reqs = self.active_cap
+        if self.set_aside:
+            host.running.extend(self.set_aside)
+        if self.moved_arrivals:
+            self._restore_arrivals()
+
+    def _restore_arrivals(self) -> None:
+        preempted = []
+        for request, arrival_time in self.moved_arrivals.items():
+            request.arrival_time = arrival_time
+            if request.status == RequestStatus.PREEMPTED:
+                preempted.append(request)
+        if preempted:
+            # They entered the waiting heap with the temporary key; re-insert
+            # them with the real one.
+            waiting = self.rules.host.waiting
+            waiting.remove_requests(preempted)
+            for request in preempted:
+                waiting.add_request(request)
+
+    def claimants_left_waiting(self) -> frozenset[str] | list[str] | None:
+        """Users that wanted a resident slot and were left waiting; None when
+        the step did not look (no residency accounts, not a kept step)."""
+        if self.slots is not None and self.slots.wanted:
+            return self.slots.left_waiting()
+        return self.kept_waiting_users
