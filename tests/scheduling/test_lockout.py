@@ -3,11 +3,11 @@
 vLLM's real scheduler and KV cache manager, fake clock, sync and async
 scheduling (the ``limited`` fixture also checks the accounting invariant).
 The scarce thing is, in turn: resident slots (``--max-num-seqs``), KV
-blocks, and the order of the waiting queue. The bound under test (README,
-"What it guarantees"): a request of a user with budget samples its first
-token in the steps its own prefill takes, as if the throttled requests were
-not there; here its prompt fits in one step's token budget, so in the very
-step in which vLLM first sees it.
+blocks, and the order of the waiting queue. The bound under test
+(docs/architecture.md, "Nobody waits for a throttled request"): a request of
+a user with budget samples its first token in the steps its own prefill
+takes, as if the throttled requests were not there; here its prompt fits in
+one step's token budget, so in the very step in which vLLM first sees it.
 """
 
 from __future__ import annotations
