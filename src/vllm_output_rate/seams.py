@@ -46,14 +46,15 @@ call, whose place decides only where the time goes, not what is charged),
 what each request of the reported step received, from
 ``Request._output_token_ids``; never a limiter call) and the private
 ``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``; the
-attribute
-``max_num_active_reqs`` is read by vLLM's waiting loop. The fast path (no
-limit binds) relies on two more facts: ``schedule()`` looks the hook up on
-``self`` at each call (so an instance attribute can stand in for the
+attribute ``max_num_active_reqs`` is read by vLLM's waiting loop. The
+shortcuts (``scheduling/shortcuts.py``) rely on two more facts:
+``schedule()`` looks the hook up on ``self`` at each call (so an instance attribute can stand in for the
 override during a step), and ``_update_after_schedule`` sets
 ``Request.is_prefill_chunk`` on every scheduled request before ``schedule()``
 returns (so the step's sampled tokens can be counted afterwards). A kept
-step (``scheduling/kept_batch.py``) sets the running requests beyond its
+step (``scheduling/kept_batch.py``) is served whole, so none of its requests
+may be one that ``schedule()`` passes over before the hook
+(``passed_over_next_step``); it sets the running requests beyond its
 batch aside, off ``running`` for the duration of ``schedule()``, which
 serves running requests only from that list and preempts, when a KV block
 cannot be had, only from it (so the policy first checks that every request
@@ -102,7 +103,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-# The hook the fast path swaps for vLLM's own for one step (an instance
+# The hook a shortcut swaps for vLLM's own for one step (an instance
 # attribute shadows the override).
 HOOK = "_reserve_prefill_lookahead"
 # The method the plugin adds to vLLM's EngineCore for the operator channel.
