@@ -62,7 +62,7 @@ class StepRules:
     chunked_prefill: bool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Step:
     number: int
     mode: StepMode
