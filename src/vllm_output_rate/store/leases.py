@@ -84,10 +84,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_output_rate.limiter import DEFAULT_BURST_NS, OutputRateLimiter
-from vllm_output_rate.store.redis_store import (
+from vllm_output_rate.store.messages import (
     UNBOUNDED,
     Exchange,
     LeaseAsk,
+    LimitsWrite,
+    Round,
     StoredLimits,
 )
 from vllm_output_rate.store.settings import StoreSettings
@@ -127,24 +129,6 @@ class Lease:
     # and every lowered share idles for the grace.
     peak_demand: int = 0
     idle_asks: int = 0
-
-
-@dataclass
-class LimitsWrite:
-    default_rate: float | None
-    user_rates: dict[str, float]
-    remove_users: tuple[str, ...]
-
-
-@dataclass
-class Round:
-    """What the refresher sends in one cycle (built under the lock)."""
-
-    asks: list[LeaseAsk]
-    sent_ns: int
-    limits_known: int  # the limits version this engine has applied
-    writes: list[LimitsWrite]
-    seed: tuple[float, dict[str, float]]  # our limits, for an empty store
 
 
 @dataclass

@@ -34,13 +34,31 @@ the simulations in the tests do.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.exceptions
 
+from vllm_output_rate.store.messages import (
+    UNBOUNDED,
+    Exchange,
+    LeaseAsk,
+    StoredLimits,
+    StoreIncompatible,
+    StoreUnavailable,
+)
 from vllm_output_rate.store.settings import StoreSettings, client_url
+
+# The message types stay importable from here (older imports).
+__all__ = [
+    "UNBOUNDED",
+    "Exchange",
+    "LeaseAsk",
+    "RedisLeaseStore",
+    "StoreIncompatible",
+    "StoreUnavailable",
+    "StoredLimits",
+]
 
 # Numbers go to and come from Lua as strings: Redis truncates Lua numbers
 # to integers in replies.
@@ -219,45 +237,6 @@ for i = 3 + 2 * n, #ARGV do
 end
 return redis.call('HINCRBY', KEYS[1], '_version', 1)
 """
-
-UNBOUNDED = -1.0  # a want: this engine could use more than it has
-
-
-class StoreUnavailable(RuntimeError):
-    """The store could not be reached or answered too late."""
-
-
-class StoreIncompatible(StoreUnavailable):
-    """The server answered, but not as a Redis-compatible store with Lua."""
-
-
-@dataclass(frozen=True)
-class LeaseAsk:
-    """One user's part of a refresh: its weight (0: give the lease back) and
-    want (tok/s it could use, or UNBOUNDED)."""
-
-    user: str
-    weight: float
-    want: float = UNBOUNDED
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """The store's answer to one refresh."""
-
-    now_us: int
-    limits_version: int  # -1: the store holds no limits (new or restarted)
-    engines: int  # engines with a live heartbeat, this one included
-    fresh: bool  # this engine was not registered (new, or the store restarted)
-    rates: dict[str, float]  # user -> this engine's share, tok/s
-    shared: frozenset[str]  # users other engines hold a lease for too
-
-
-@dataclass(frozen=True)
-class StoredLimits:
-    version: int
-    default_rate: float
-    user_rates: dict[str, float]
 
 
 def _fmt(rate: float) -> str:
