@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from harness.fake_clock import FakeClock
+from vllm_output_rate.store.engine import open_store
 from vllm_output_rate.store.leases import LeasedLimiter
-from vllm_output_rate.store.redis_store import RedisLeaseStore
 from vllm_output_rate.store.refresher import Refresher
 from vllm_output_rate.store.settings import StoreSettings
 
@@ -42,7 +42,7 @@ class SimEngine:
         user_rates: Mapping[str, float] | None = None,
     ) -> SimEngine:
         limiter = LeasedLimiter(default_rate, user_rates, settings, clock=clock)
-        refresher = Refresher(limiter, RedisLeaseStore(settings), name)
+        refresher = Refresher(limiter, open_store(settings), name)
         return cls(name, limiter, refresher, clock)
 
     def set_demand(self, user: str, streams: int) -> None:

@@ -1,8 +1,9 @@
 """Several engines sharing one user's limit through a real store (fake clock).
 
-The global bound (leases.py): in every window of W seconds, at most
-``(W + 0.1) x limit + N`` tokens over the N engines holding a lease; and with
-demand above the limit, the limit in total, split by demand.
+The global bound (docs/architecture.md, "The shared store"): in every window
+of W seconds, at most ``(W + 0.1) x limit + N`` tokens over the N engines
+holding a lease; and with demand above the limit, the limit in total, split
+by demand.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from harness.fake_clock import FakeClock
 from harness.redis_server import RedisServer
 from harness.store_sim import SimEngine, merged
 from vllm_output_rate.limiter import NS_PER_SECOND
-from vllm_output_rate.store.redis_store import StoreUnavailable
+from vllm_output_rate.store.messages import StoreUnavailable
 from vllm_output_rate.store.settings import StoreSettings
 
 MS = 1_000_000
@@ -171,7 +172,7 @@ def test_a_store_that_dies_and_returns(tmp_path) -> None:
         down = clock.now_ns
         run(engines, clock, 3)
         for engine in engines:
-            assert engine.limiter.degraded
+            assert engine.limiter.table.degraded
             assert engine.limiter.counters.fallbacks == 1
             # Shared users waited from the first failed round until the
             # fallback, a lease period after the last answer; not after.
@@ -185,7 +186,7 @@ def test_a_store_that_dies_and_returns(tmp_path) -> None:
         back = clock.now_ns
         run(engines, clock, 4)
         for engine in engines:
-            assert not engine.limiter.degraded
+            assert not engine.limiter.table.degraded
         assert [engine.limiter.failing_seconds() for engine in engines] == failing
         a, b = delivered(engines, "u", back + 2 * NS_PER_SECOND, clock.now_ns)
         assert a + b == pytest.approx(60 * 2, abs=4)
@@ -262,7 +263,7 @@ def test_limits_changed_after_a_store_restart_still_reach_every_engine() -> None
         for _ in range(3):
             engines[0].limiter.update_rates(user_rates={"x": 5.0})
             run(engines, clock, 0.3)
-        assert engines[1].limiter.limits_version >= 3
+        assert engines[1].limiter.table.limits_version >= 3
         server.kill()
         run(engines, clock, 0.3)
         server.start()
@@ -303,7 +304,7 @@ def test_a_round_that_fails_at_start_keeps_the_bound(redis_server, store_prefix)
     engines[0].set_demand("u", 3)
     engines[1].set_demand("u", 1)
     run(engines, clock, 0.4)
-    assert "u" not in engines[0].dispatched and not engines[0].limiter.degraded
+    assert "u" not in engines[0].dispatched and not engines[0].limiter.table.degraded
     run(engines, clock, 5.6)
     assert_global_bound(merged(engines, "u"), 40.0, 2)
     a, b = delivered(engines, "u", clock.now_ns - 4 * NS_PER_SECOND, clock.now_ns)
@@ -331,7 +332,7 @@ def test_lost_answers_pause_a_shared_user_and_keep_the_bound(
     failing_rounds(engines[0], round(seconds * 10), after_store=True)
     lost = clock.now_ns
     run(engines, clock, seconds)
-    assert not engines[0].limiter.degraded
+    assert not engines[0].limiter.table.degraded
     paused = delivered(engines, "u", lost + 150 * MS, clock.now_ns)[0]
     assert paused == 0
     assert engines[0].limiter.failing_seconds() == pytest.approx(seconds, abs=0.15)
@@ -394,5 +395,5 @@ def test_a_blip_while_idle_is_no_fallback_when_traffic_returns(
     run([a], clock, 0.5)
     counters = a.limiter.counters
     assert (counters.failures, counters.fallbacks) == (5, 0)
-    assert not a.limiter.degraded and a.limiter.lease_rate("u") == 50.0
+    assert not a.limiter.table.degraded and a.limiter.lease_rate("u") == 50.0
     a.close()

@@ -8,13 +8,13 @@ import threading
 import pytest
 
 from harness.redis_server import RedisServer
-from vllm_output_rate.store.redis_store import (
+from vllm_output_rate.store.messages import (
     UNBOUNDED,
     LeaseAsk,
-    RedisLeaseStore,
     StoreIncompatible,
     StoreUnavailable,
 )
+from vllm_output_rate.store.redis_store import RedisLeaseStore
 from vllm_output_rate.store.settings import StoreSettings
 
 S = 1_000_000  # microseconds

@@ -1,4 +1,8 @@
-"""Start one engine's leasing from a shared store (no vLLM import)."""
+"""Start one engine's leasing from a shared store (no vLLM import).
+
+The one place that chooses the store's implementation (Redis/Valkey,
+``redis_store.py``); everything else speaks ``messages.LeaseStore``.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,15 @@ import logging
 
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.store.leases import LeasedLimiter
+from vllm_output_rate.store.messages import LeaseStore
 from vllm_output_rate.store.redis_store import RedisLeaseStore
 from vllm_output_rate.store.refresher import Refresher, engine_id
+from vllm_output_rate.store.settings import StoreSettings
+
+
+def open_store(settings: StoreSettings) -> LeaseStore:
+    """A client of the store ``settings`` name (it connects on first use)."""
+    return RedisLeaseStore(settings)
 
 
 def start_leasing(
@@ -34,7 +45,7 @@ def start_leasing(
     )
     refresher = Refresher(
         limiter,
-        RedisLeaseStore(store_settings),
+        open_store(store_settings),
         engine_id(data_parallel_rank),
         logger,
     )

@@ -1,46 +1,52 @@
 """The Redis/Valkey backend of the shared budget store (no vLLM import).
 
-One Lua script decides a whole refresh of one engine in one round trip
-(``exchange``): it registers the engine (a heartbeat), and for each user the
-engine asks about it divides that user's limit between the engines that hold
-a lease for it and returns this engine's share. Lua scripts run atomically,
-so no two engines ever divide the same user's limit at once.
+``RedisLeaseStore`` implements ``messages.LeaseStore``, each call one round
+trip. One Lua script decides a whole refresh of one engine (``exchange``): it
+registers the engine (a heartbeat), and for each user the engine asks about
+it divides that user's limit between the engines that hold a lease for it
+(weighted max-min fair, granted only out of what the other engines' leases
+leave free) and returns this engine's share. Lua scripts run atomically, so
+no two engines ever divide the same user's limit at once. Two more scripts
+seed the stored limits (only into an empty store) and update them.
 
-Keys, all under one hash tag ``{PREFIX}`` (so that a cluster keeps them in one
-slot; a standalone server or a single shard is what is tested):
+All keys are under one hash tag ``{PREFIX}`` (a cluster keeps them in one
+slot). Times are the server's (``TIME``) unless the caller passes its own
+clock, as the simulations in the tests do. Failures raise
+``StoreUnavailable``, or ``StoreIncompatible`` for a server that is not
+Redis-compatible with Lua scripting.
 
-* ``{P}:engines``: sorted set, engine id -> heartbeat expiry (microseconds).
-* ``{P}:limits``: hash, ``_default`` and ``u:<user>`` -> tok/s, ``_version``.
-* ``{P}:lease:<user>``: hash, engine id -> ``weight|want|rate|old|old_until|
-  expiry``, the lease of that engine for that user (expires with its last
-  lease).
-* ``{P}:renew:<engine>``: set of users whose share another engine waits for.
-
-The share of engine ``e`` is a weighted max-min fair share of the limit:
-engines weigh by their unfinished requests for the user, and an engine that
-reports a ``want`` (what it actually used, when it was not held back) gets
-at most that, its unused part going to the others. It is granted only as far
-as it is free: ``limit - sum of the others' counted rates``. A lowered rate
-stays counted at its old value for ``grace`` (the longest an engine may go
-on using it: the reply's way back, the engine's step and its GCRA burst) plus
-one token's spacing, and a lease for one token's spacing after it expires;
-that keeps the sum of the rates engines may be using at any instant at or
-below the limit (see ``leases.py`` for the bound this gives).
-
-Times are the server's (``TIME``) unless the caller passes its own clock, as
-the simulations in the tests do.
+The keys, how a share is computed and how long a lowered rate stays
+counted: docs/architecture.md, "The shared store".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.exceptions
 
+from vllm_output_rate.store.messages import (
+    UNBOUNDED,
+    Exchange,
+    LeaseAsk,
+    StoredLimits,
+    StoreIncompatible,
+    StoreUnavailable,
+)
 from vllm_output_rate.store.settings import StoreSettings, client_url
+
+# The message types stay importable from here (older imports).
+__all__ = [
+    "UNBOUNDED",
+    "Exchange",
+    "LeaseAsk",
+    "RedisLeaseStore",
+    "StoreIncompatible",
+    "StoreUnavailable",
+    "StoredLimits",
+]
 
 # Numbers go to and come from Lua as strings: Redis truncates Lua numbers
 # to integers in replies.
@@ -219,45 +225,6 @@ for i = 3 + 2 * n, #ARGV do
 end
 return redis.call('HINCRBY', KEYS[1], '_version', 1)
 """
-
-UNBOUNDED = -1.0  # a want: this engine could use more than it has
-
-
-class StoreUnavailable(RuntimeError):
-    """The store could not be reached or answered too late."""
-
-
-class StoreIncompatible(StoreUnavailable):
-    """The server answered, but not as a Redis-compatible store with Lua."""
-
-
-@dataclass(frozen=True)
-class LeaseAsk:
-    """One user's part of a refresh: its weight (0: give the lease back) and
-    want (tok/s it could use, or UNBOUNDED)."""
-
-    user: str
-    weight: float
-    want: float = UNBOUNDED
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """The store's answer to one refresh."""
-
-    now_us: int
-    limits_version: int  # -1: the store holds no limits (new or restarted)
-    engines: int  # engines with a live heartbeat, this one included
-    fresh: bool  # this engine was not registered (new, or the store restarted)
-    rates: dict[str, float]  # user -> this engine's share, tok/s
-    shared: frozenset[str]  # users other engines hold a lease for too
-
-
-@dataclass(frozen=True)
-class StoredLimits:
-    version: int
-    default_rate: float
-    user_rates: dict[str, float]
 
 
 def _fmt(rate: float) -> str:

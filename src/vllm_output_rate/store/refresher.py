@@ -1,13 +1,15 @@
 """The background thread that talks to the store for one engine (no vLLM import).
 
-Every ``refresh_s`` (or at once when a user without a lease appears) it
-sends one round (``LeasedLimiter.start_round``) in one store round trip and
-posts the answer for the scheduler to apply between steps. Limit changes
-ride along: an operator's change on this engine is written first; a newer
-version in the store is read and applied. A store that holds no limits (new,
-or restarted without persistence) gets this engine's. A failed round is
-posted as a failure; the next cycle simply tries again, so an engine
-resumes by itself when the store returns.
+``Refresher`` drives one ``LeasedLimiter`` against one ``LeaseStore``
+(``messages.py``). Every ``refresh_s`` (or at once when a user without a
+lease appears) it sends one round (``LeasedLimiter.start_round``) in one
+store round trip and posts the answer for the scheduler to apply between
+steps (``finish_round``). Limit changes ride along: an operator's change on
+this engine is written first; a newer version in the store is read and
+applied. A store that holds no limits (new, or restarted without
+persistence) gets this engine's. A failed round is posted as a failure; the
+next cycle simply tries again, so an engine resumes by itself when the
+store returns.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import time
 import uuid
 from socket import gethostname
 
-from vllm_output_rate.store.leases import LeasedLimiter, Round
-from vllm_output_rate.store.redis_store import (
+from vllm_output_rate.store.leases import LeasedLimiter
+from vllm_output_rate.store.messages import (
     Exchange,
     LeaseAsk,
-    RedisLeaseStore,
+    LeaseStore,
+    Round,
     StoredLimits,
     StoreUnavailable,
 )
@@ -42,7 +45,7 @@ class Refresher:
     def __init__(
         self,
         limiter: LeasedLimiter,
-        store: RedisLeaseStore,
+        store: LeaseStore,
         engine: str,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -82,7 +85,7 @@ class Refresher:
             if store.seed_limits(default_rate, user_rates):
                 self._logger.info(
                     "Output rate store %s held no limits: stored this engine's",
-                    store.settings.display_url,
+                    self.limiter.settings.display_url,
                 )
             exchange = self._exchange_in_chunks(round_.asks, now_us)
         version = exchange.limits_version
