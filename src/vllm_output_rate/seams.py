@@ -1,23 +1,24 @@
 """Every vLLM internal this plugin relies on, in one module, checked.
 
-vLLM offers ``scheduler_cls``, plugin entry points and ``additional_config``;
-everything else the plugin needs is listed here: the methods it wraps or
-overrides (with the parameters it relies on), the facts about vLLM's source
-it relies on, and the scheduler attributes it reads and writes
-(``SchedulerHost``). ``verify_seams()`` runs when the plugin loads and in the
-tests, and ``check_host()`` when our scheduler starts, so a vLLM upgrade that
-moves one fails loudly instead of silently turning limiting off. The same
-lists are checked against a vLLM source tree that is never imported
-(``python -m vllm_output_rate.seams DIR``, ``make vllm-next``: a release
-that cannot run here). This module imports vLLM only inside those checks;
-the scheduling policy and the integration both import it, and it imports
-neither.
+vLLM offers ``scheduler_cls``, plugin entry points and
+``additional_config``; everything else the plugin needs is listed here: the
+methods it wraps or overrides (with the parameters it relies on), the facts
+about vLLM's source it relies on, and the scheduler attributes it reads and
+writes (``SchedulerHost``). ``verify_seams()`` runs when the plugin loads
+and in the tests, and ``check_host()`` when our scheduler starts, so a vLLM
+upgrade that moves one fails loudly instead of silently turning limiting
+off. The same lists are checked against a vLLM source tree that is never
+imported (``python -m vllm_output_rate.seams DIR``, ``make vllm-next``: a
+release that cannot run here). This module imports vLLM only inside those
+checks; the scheduling policy and the integration both import it, and it
+imports neither.
 
 Wrapped by the plugin (``integration/plugin.py``), in the process where vLLM
 calls them:
 
 * ``EngineArgs.add_cli_args``: adds the plugin's flags to vLLM's parser.
-* ``EngineArgs.from_cli_args``: carries the flags into ``additional_config``.
+* ``EngineArgs.from_cli_args``: carries the flags into
+  ``additional_config``.
 * ``EngineArgs.create_engine_config``: validates and selects our scheduler.
 * ``EngineCore.post_step``: waits on the input queue while all is throttled.
 * ``EngineCore.output_rate_rpc`` (added): the engine-side method that the
@@ -42,46 +43,46 @@ output, so the settling overlaps the model; a source fact below checks the
 call, whose place decides only where the time goes, not what is charged),
 ``finish_requests``, ``update_draft_token_ids`` and ``reset_prefix_cache``
 (each settles the step first, as every override does),
-``update_from_output`` (speculative decoding:
-what each request of the reported step received, from
-``Request._output_token_ids``; never a limiter call) and the private
-``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``; the
-attribute ``max_num_active_reqs`` is read by vLLM's waiting loop. The
-shortcuts (``scheduling/shortcuts.py``) rely on two more facts:
-``schedule()`` looks the hook up on ``self`` at each call (so an instance attribute can stand in for the
-override during a step), and ``_update_after_schedule`` sets
-``Request.is_prefill_chunk`` on every scheduled request before ``schedule()``
-returns (so the step's sampled tokens can be counted afterwards). A kept
-step (``scheduling/kept_batch.py``) is served whole, so none of its requests
-may be one that ``schedule()`` passes over before the hook
-(``passed_over_next_step``); it sets the running requests beyond its
-batch aside, off ``running`` for the duration of ``schedule()``, which
-serves running requests only from that list and preempts, when a KV block
-cannot be had, only from it (so the policy first checks that every request
-of the batch finds a block in each of ``kv_cache_manager``'s
-``num_kv_cache_groups``). Each
-step's demand is kept from ``Scheduler.finished_req_ids`` (filled by
-``_free_request``, read before ``schedule()`` clears it), with a recount
-whenever it disagrees with ``Scheduler.requests``; and when vLLM's
-``_inflight_prefills`` (requests whose prefill continues after this step) is
-empty, every scheduled request sampled. Engine modes: a waiting request's
-draft positions are ``-1`` padding (charged one token); hybrid models align
-prefill chunks to Mamba blocks (``need_mamba_block_aligned_split``); the
-idle wait is skipped while ``EngineCore.batch_queue`` holds batches.
+``update_from_output`` (speculative decoding: what each request of the
+reported step received, from ``Request._output_token_ids``; never a limiter
+call) and the private ``_reserve_prefill_lookahead`` and
+``_handle_blocked_waiting_request``; the attribute ``max_num_active_reqs``
+is read by vLLM's waiting loop. The shortcuts (``scheduling/shortcuts.py``)
+rely on two more facts: ``schedule()`` looks the hook up on ``self`` at each
+call (so an instance attribute can stand in for the override during a step),
+and ``_update_after_schedule`` sets ``Request.is_prefill_chunk`` on every
+scheduled request before ``schedule()`` returns (so the step's sampled
+tokens can be counted afterwards). A kept step
+(``scheduling/kept_batch.py``) is served whole, so none of its requests may
+be one that ``schedule()`` passes over before the hook
+(``passed_over_next_step``); it sets the running requests beyond its batch
+aside, off ``running`` for the duration of ``schedule()``, which serves
+running requests only from that list and preempts, when a KV block cannot be
+had, only from it (so the policy first checks that every request of the
+batch finds a block in each of ``kv_cache_manager``'s
+``num_kv_cache_groups``). Each step's demand is kept from
+``Scheduler.finished_req_ids`` (filled by ``_free_request``, read before
+``schedule()`` clears it), with a recount whenever it disagrees with
+``Scheduler.requests``; and when vLLM's ``_inflight_prefills`` (requests
+whose prefill continues after this step) is empty, every scheduled request
+sampled. Engine modes: a waiting request's draft positions are ``-1``
+padding (charged one token); hybrid models align prefill chunks to Mamba
+blocks (``need_mamba_block_aligned_split``); the idle wait is skipped while
+``EngineCore.batch_queue`` holds batches.
 
-So that a throttled user never locks others out (``scheduling/residency.py``)
-the policy preempts throttled residents with vLLM's own recompute preemption,
-``Scheduler._preempt_request`` (the request goes back to the head of
-``waiting`` and frees its KV blocks; the caller takes it off ``running``, as
-vLLM's own callers do), reads the free KV blocks
-(``kv_cache_manager.block_pool.get_num_free_blocks()``, the watermark
+So that a throttled user never locks others out
+(``scheduling/residency.py``) the policy preempts throttled residents with
+vLLM's own recompute preemption, ``Scheduler._preempt_request`` (the request
+goes back to the head of ``waiting`` and frees its KV blocks; the caller
+takes it off ``running``, as vLLM's own callers do), reads the free KV
+blocks (``kv_cache_manager.block_pool.get_num_free_blocks()``, the watermark
 ``kv_cache_manager.watermark_blocks``, ``scheduler_reserve_full_isl``,
 ``max_num_scheduled_tokens``), and closes the waiting scan for a step by
 setting ``max_num_active_reqs`` to 0 (vLLM stops admitting once
 ``len(running)`` reaches it).
 
-Over 400 lines on purpose: every touch of a vLLM internal is listed here,
-in one place, with its check; how a source tree is read is in
+Over 400 lines on purpose: every touch of a vLLM internal is listed here, in
+one place, with its check; how a source tree is read is in
 ``vllm_source.py``.
 """
 

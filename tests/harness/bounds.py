@@ -14,7 +14,8 @@ def assert_window_bound(
 ) -> None:
     """Every window that starts and ends at an admitted token holds at most
     ``(W + burst) x rate + engines`` tokens (one engine: the specification's
-    ``+ 1``; N engines sharing a store: ``+ N``, see store/leases.py).
+    ``+ 1``; N engines sharing a store: ``+ N``, see docs/architecture.md,
+    "The shared store").
 
     Those windows are the tightest: any other window holds no more tokens than
     the one shrunk to its first and last admitted token. With

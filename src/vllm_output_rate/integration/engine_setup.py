@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.integration.compat import check_supported_config
-from vllm_output_rate.store.redis_store import (
-    RedisLeaseStore,
+from vllm_output_rate.store.engine import open_store
+from vllm_output_rate.store.messages import (
     StoreIncompatible,
     StoreUnavailable,
 )
@@ -78,7 +78,7 @@ def apply_output_rate(vllm_config: VllmConfig) -> OutputRateSettings | None:
 def check_store(store: StoreSettings) -> None:
     """Refuse a store that is not Redis-compatible, and an unreachable one
     when it is required; otherwise start anyway and say so."""
-    client = RedisLeaseStore(store)
+    client = open_store(store)
     try:
         version = client.check()
     except StoreIncompatible as exc:
