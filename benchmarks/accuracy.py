@@ -180,7 +180,9 @@ def accuracy(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
             }
         log(
             f"accuracy batch {k + 1}/{len(batches)} (probe {probe_rate:,.0f} tok/s) "
-            + ", ".join(f"{acc_user(*c)}={rows[c]['client_ratio']}" for c in batch)
+            + ", ".join(
+                f"{acc_user(*c)}={rows[c]['client_ratio'] or 0:.3f}" for c in batch
+            )
         )
     _flush_dispatch_log(url, model)
     pool.stop("ours")

@@ -117,7 +117,11 @@ def isolation(pool: ServerPool, quick: bool = False) -> dict[str, Any]:
                 / seconds,
             }
             runs.append(row)
-            log(f"isolation round {i + 1}/{rounds} {name}: B {row['tok_s_ratio']}")
+            ratio = row["tok_s_ratio"]
+            log(
+                f"isolation round {i + 1}/{rounds} {name}: B beside A / alone "
+                + ("-" if ratio is None else f"{ratio:.3f}")
+            )
     summary = {
         name: {
             key: median(r[key] for r in runs if r["server"] == name)

@@ -74,6 +74,10 @@ def engine_lines(engine: dict[str, Any], target: float = TARGET) -> list[str]:
     ]
 
 
+def _whose(label: str) -> str:
+    return label + ("'" if label.endswith("s") else "'s")
+
+
 def step_timing_lines(engine: dict[str, Any]) -> list[str]:
     """Inside both engine cores (``step_timing``), µs per step."""
     timing = engine.get("step_timing") or {}
@@ -106,11 +110,11 @@ def step_timing_lines(engine: dict[str, Any]) -> list[str]:
             if key in base and key in cand
         ),
         "",
-        f"{labels['candidate']}'s `schedule()`, what the engine waits for before "
-        f"the model runs, takes {added:+.1f} µs a step against "
-        f"{labels['baseline']}'s, {added / base['engine_step_us']:+.1%} of "
-        f"{labels['baseline']}'s engine step; the engine cores' busy time for "
-        f"the same work, {labels['baseline']} / {labels['candidate']}: "
+        f"{_whose(labels['candidate'])} `schedule()`, what the engine waits for "
+        f"before the model runs, takes {added:+.1f} µs a step against "
+        f"{_whose(labels['baseline'])}, {added / base['engine_step_us']:+.1%} of "
+        f"{_whose(labels['baseline'])} engine step; the engine cores' busy time "
+        f"for the same work, {labels['baseline']} / {labels['candidate']}: "
         f"{busy:.3f}.",
         "",
     ]
