@@ -70,8 +70,7 @@ def _header(entries: dict[str, Any]) -> list[str]:
         "measured side by side in the same run, on the same tiny random-weight "
         "model (`src/vllm_output_rate/demo/tiny_model.py`), with the same engine "
         "settings and the same load; the machines are shared and noisy, so "
-        "ratios matter, absolute numbers are context only. No test asserts "
-        "timings. Each section names the run that measured it: `make bench` "
+        "ratios matter, absolute numbers are context only. Each section names the run that measured it: `make bench` "
         'measures every section, `make bench BENCH_ARGS="--only NAME ..."` '
         "measures those again and renders the rest from the kept results.",
         "",
@@ -106,8 +105,8 @@ def _summary(entries: dict[str, Any]) -> list[str]:
     for name, module in SECTIONS.items():
         entry = entries.get(name)
         if entry is None or "results" not in entry:
-            why = entry["error"] if entry else "not measured yet"
-            lines.append(f"| {module.TITLE} | - | did not run: {why} | n.a. |")
+            why = f"did not run: {entry['error']}" if entry else "not measured yet"
+            lines.append(f"| {module.TITLE} | - | {why} | n.a. |")
             continue
         try:
             rows = module.summary_rows(entry["results"])
