@@ -70,9 +70,10 @@ def _header(entries: dict[str, Any]) -> list[str]:
         "measured side by side in the same run, on the same tiny random-weight "
         "model (`src/vllm_output_rate/demo/tiny_model.py`), with the same engine "
         "settings and the same load; the machines are shared and noisy, so "
-        "ratios matter, absolute numbers are context only. Each section names the run that measured it: `make bench` "
-        'measures every section, `make bench BENCH_ARGS="--only NAME ..."` '
-        "measures those again and renders the rest from the kept results.",
+        "ratios matter, absolute numbers are context only. Each section names "
+        "the run that measured it: `make bench` measures every section, "
+        '`make bench BENCH_ARGS="--only NAME ..."` measures those again and '
+        "renders the rest from the kept results.",
         "",
     ]
     run = _latest_run(entries)
