@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from vllm_output_rate.demo.server import RunningServer, running_server
+from vllm_output_rate.loadtest.sse import sse_data
 
 pytestmark = pytest.mark.e2e
 
@@ -66,8 +67,8 @@ async def throttled_window(server: RunningServer, model: str) -> tuple[float, in
         }
         async with client.stream("POST", "/v1/completions", json=body) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
+            async for data in sse_data(response):
+                if data != "[DONE]":
                     arrivals.append(time.monotonic())
 
     process = engine_core(server)
