@@ -12,7 +12,6 @@ import pytest
 
 from benchmarks import scheduler_cost
 from benchmarks.report import scheduler_cost as report
-from benchmarks.scheduler_workload import STATES
 
 R = 64
 
@@ -70,7 +69,7 @@ def test_markdown_and_plot(results: dict, tmp_path) -> None:
     text = report.section(results, tmp_path / "docs", tmp_path)
     assert (tmp_path / "docs" / report.FIGURE).stat().st_size > 0
     assert f"![µs per schedule() against R](docs/{report.FIGURE})" in text
-    for state, title in STATES.items():
+    for state, title in scheduler_cost.STATES.items():
         assert f"### ({state}) {title}" in text
     assert "| R | U |" in text
     assert f"| {R} | 16 |" in text
