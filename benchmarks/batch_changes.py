@@ -22,12 +22,14 @@ Alone: ``PYTHONPATH=tests:. python -m benchmarks.batch_changes [--steps N]``
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import Counter
 from typing import Any
 
 from benchmarks.kinds import FAIRNESS, FAR_LIMIT, SATURATED_LIMITS, SATURATED_USERS
 from harness.scheduler_sim import make_scheduler
+from vllm_output_rate.scheduling.step import StepMode
 
 STEP_NS = 1_000_000
 PROMPT_TOKENS = 12
@@ -36,17 +38,20 @@ STEPS = 3000
 
 
 def kept_this_step(policy: Any) -> bool:
-    """Whether ours' last step kept the last ranking's batch. The one place
-    the benchmarks read a private attribute of the scheduling policy."""
-    return bool(policy._keeping)
+    """Whether ours' last step kept the last ranking's batch."""
+    return bool(policy.step.mode is StepMode.KEPT)
 
 
 class EngineLoad:
     """The saturated load on one scheduler, ended requests replaced."""
 
-    def __init__(self, model: str, ours: bool) -> None:
+    def __init__(self, model: str, ours: bool, shortcuts: bool = True) -> None:
         limits = (
-            {"default_user_output_tokens_per_second": FAR_LIMIT, **FAIRNESS}
+            {
+                "default_user_output_tokens_per_second": FAR_LIMIT,
+                **FAIRNESS,
+                "shortcuts": shortcuts,
+            }
             if ours
             else None
         )
@@ -80,15 +85,24 @@ class EngineLoad:
         return self.policy is not None and kept_this_step(self.policy)
 
 
-def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
-    """Run the load for ``steps`` steps on one scheduler and count."""
-    load = EngineLoad(model, ours)
+def count(
+    model: str, ours: bool, steps: int = STEPS, shortcuts: bool = True
+) -> dict[str, Any]:
+    """Run the load for ``steps`` steps on one scheduler and count; also the
+    median time of ``schedule()`` (what vLLM's engine waits for before the
+    model runs) and of the settling in ``get_grammar_bitmask()`` (beside the
+    model), as context: it is one run on a shared machine."""
+    load = EngineLoad(model, ours, shortcuts)
+    schedule_ns: list[int] = []
+    settle_ns: list[int] = []
     users = set(SATURATED_USERS)
     scheduled: Counter[str] = Counter()
     previous: frozenset[str] | None = None
     changes = kept = largest_gap = 0
     for _ in range(steps):
         batch = load.step()
+        schedule_ns.append(load.h.schedule_ns - load.h.settle_ns)
+        settle_ns.append(load.h.settle_ns)
         if previous is not None and batch.keys() != previous:
             changes += 1
         previous = frozenset(batch)
@@ -103,6 +117,8 @@ def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
         "kept_steps": kept if load.policy is not None else None,
         "scheduled": dict(scheduled),
         "largest_gap": largest_gap,
+        "schedule_us": statistics.median(schedule_ns) / 1e3,
+        "settle_us": statistics.median(settle_ns) / 1e3,
     }
 
 
@@ -114,6 +130,9 @@ def run(model: str, steps: int = STEPS) -> dict[str, Any]:
         "max_tokens": MAX_TOKENS,
         "stock": count(model, ours=False, steps=steps),
         "ours": count(model, ours=True, steps=steps),
+        # The reference path (shortcuts off): the same decisions, what the
+        # kept batch and settling beside the model save.
+        "reference": count(model, ours=True, steps=steps, shortcuts=False),
     }
 
 
@@ -124,12 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args(argv)
     results = run(str(build_tiny_model()), args.steps)
-    for name in ("stock", "ours"):
+    for name in ("stock", "ours", "reference"):
         row = results[name]
         print(
             f"{name}: {row['changes']} batch changes in {row['steps']} steps, "
             f"kept {row['kept_steps']}, scheduled {row['scheduled']}, "
-            f"largest gap {row['largest_gap']}"
+            f"largest gap {row['largest_gap']}, schedule() "
+            f"{row['schedule_us']:.1f} us, settling {row['settle_us']:.1f} us"
         )
     return 0
 

@@ -8,7 +8,9 @@ ours held in one state for the whole measurement (``STATES``):
 * ``a``: no limit binds (every user may take 1e9 tok/s);
 * ``b``: every user throttled (1e-3 tok/s: after its first token a user's
   next is due 1000 s later, long after the run);
-* ``c``: every other user throttled, so half the requests decode.
+* ``c``: every other user throttled, so half the requests decode;
+* ``r``: as ``a``, on the reference path (``"shortcuts": false``): what
+  the shortcuts save (``scheduling/shortcuts.py``), reported.
 
 Stock vLLM decodes all ``R`` requests in every state, with the same
 configuration. All schedulers of one ``R`` are stepped side by side in
@@ -53,6 +55,7 @@ STATES: dict[str, str] = {
     "a": "no limit binds",
     "b": "all users throttled",
     "c": "half the users throttled",
+    "r": "no limit binds, reference path (shortcuts off)",
 }
 FULL_SIZES, QUICK_SIZES = (64, 256, 1024, 4096), (64, 256)
 USER_COUNTS = (1, 16, 256)
@@ -184,7 +187,10 @@ def make_subjects(
                 if state == "b" or (state == "c" and u % 2 == 1)
             )
             harness = make_scheduler(
-                model_path, limits=limits, scheduler_cls=scheduler_cls, **common
+                model_path,
+                limits={**limits, "shortcuts": state != "r"},
+                scheduler_cls=scheduler_cls,
+                **common,
             )
             expect = num_requests - num_requests // users * len(throttled)
             subjects.append(Subject(state, users, harness, expect, throttled))
@@ -314,7 +320,7 @@ def _evaluate(rows: list[dict]) -> dict[str, Any]:
     )
     worst = {
         state: max((r["ratio"] for r in rows if r["state"] == state), default=math.nan)
-        for state in ("a", "b")
+        for state in ("a", "b", "r")
     }
     return {
         "a_within_5_percent_of_stock": {
@@ -331,6 +337,8 @@ def _evaluate(rows: list[dict]) -> dict[str, Any]:
             "worst_ratio": worst["b"],
             "limit": 1.0,
         },
+        # Reported, not judged: the same decisions without the shortcuts.
+        "r_reference_path": {"met": None, "worst_ratio": worst["r"]},
     }
 
 

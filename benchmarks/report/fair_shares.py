@@ -162,6 +162,7 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         f"users' tokens differed by at most {stock['largest_gap']} on stock and "
         f"{ours['largest_gap']} on ours.",
         "",
+        *shortcut_lines(changes),
     ]
     cost = results["ranking_cost"]
     lines += [
@@ -180,3 +181,33 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         *image("fair shares", _plot(results, figures_dir / FIGURE), md_dir),
     ]
     return "\n".join(lines)
+
+
+def shortcut_lines(changes: dict[str, Any]) -> list[str]:
+    """What the kept batch and the settling beside the model save on this
+    load: ours against its reference path (the same dispatches, shortcuts
+    off), with stock for scale. Older results have no reference run."""
+    reference = changes.get("reference")
+    if reference is None:
+        return []
+    rows = [
+        ("stock vLLM", changes["stock"]),
+        ("ours (shortcuts)", changes["ours"]),
+        ("ours, reference path", reference),
+    ]
+    return [
+        "The same load's step at scheduler level (medians over the steps, one "
+        "run, context only): `schedule()` is what vLLM's engine waits for "
+        "before the model runs; ours settles the step in "
+        "`get_grammar_bitmask()`, beside the model with the shortcuts, inside "
+        "`schedule()` on the reference path.",
+        "",
+        "| scheduler | kept steps | schedule() µs | settling µs (beside the model) |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {name} | {row['kept_steps'] if row['kept_steps'] is not None else '-'}"
+            f" | {row['schedule_us']:.1f} | {row['settle_us']:.1f} |"
+            for name, row in rows
+        ),
+        "",
+    ]

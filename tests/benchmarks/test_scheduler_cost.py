@@ -30,7 +30,15 @@ def results(tiny_model_path: str) -> dict:
 def test_one_row_per_state_and_user_count(results: dict) -> None:
     keys = sorted((r["state"], r["U"]) for r in results["rows"])
     # Half of one user is not a state: (c) only runs with U >= 2.
-    assert keys == [("a", 1), ("a", 16), ("b", 1), ("b", 16), ("c", 16)]
+    assert keys == [
+        ("a", 1),
+        ("a", 16),
+        ("b", 1),
+        ("b", 16),
+        ("c", 16),
+        ("r", 1),
+        ("r", 16),
+    ]
     assert [s["R"] for s in results["stock"]] == [R]
     for row in results["rows"]:
         assert row["R"] == R
@@ -45,7 +53,7 @@ def test_the_states_are_the_ones_claimed(results: dict) -> None:
     stock = results["stock"][0]
     assert stock["scheduled_per_step"] == R
     for row in results["rows"]:
-        decoding = {"a": R, "b": 0, "c": R // 2}[row["state"]]
+        decoding = {"a": R, "b": 0, "c": R // 2, "r": R}[row["state"]]
         assert row["scheduled_per_step"] == decoding
         assert row["throttled_per_step"] == R - decoding
 
@@ -61,8 +69,10 @@ def test_limiter_calls_grow_with_users_not_requests(results: dict) -> None:
         "a_within_5_percent_of_stock",
         "limiter_calls_grow_with_U_not_R",
         "b_not_above_stock",
+        "r_reference_path",
     }
     assert targets["limiter_calls_grow_with_U_not_R"]["met"]
+    assert targets["r_reference_path"]["met"] is None  # reported, not judged
 
 
 def test_markdown_and_plot(results: dict, tmp_path) -> None:
