@@ -39,7 +39,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
-from vllm_output_rate.seams import HOOK, check_host
+from vllm_output_rate.seams import HOOK
+from vllm_output_rate.seams_check import check_host
 from vllm_output_rate.store.engine import start_leasing
 from vllm_output_rate.validation import OutputRateConfigError
 
