@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from vllm_output_rate.scheduling.accounting import Accounting
     from vllm_output_rate.scheduling.engine_modes import EngineModes
     from vllm_output_rate.scheduling.ordering import SharedSlots
-    from vllm_output_rate.scheduling.residency import StepSlots
     from vllm_output_rate.scheduling.step_budget import StepBudget
+    from vllm_output_rate.scheduling.step_slots import StepSlots
     from vllm_output_rate.seams import SchedulerHost
 
 
