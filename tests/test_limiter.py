@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from harness.bounds import assert_window_bound
 from harness.fake_clock import FakeClock
-from vllm_output_rate.limiter import NS_PER_SECOND, OutputRateLimiter
+from vllm_output_rate.exact_rate import NS_PER_SECOND
+from vllm_output_rate.limiter import OutputRateLimiter
 
 BURST_NS = 100_000_000
 MS = 1_000_000
