@@ -329,11 +329,12 @@ class ReferenceGcra:
     def set_rate(self, user: str | None, rate: float) -> None:
         """A rate change keeps each affected user's due time, rounded up to
         the nanosecond."""
-        affected = [u for u in self.tat if (u in self.rates) == (user is not None)]
         if user is not None:
-            affected = [u for u in affected if u == user]
+            # Whether it had its own rate or the default, its rate changes.
+            affected = [u for u in self.tat if u == user]
             self.rates[user] = Fraction(repr(rate))
         else:
+            affected = [u for u in self.tat if u not in self.rates]
             self.default = Fraction(repr(rate))
         for u in affected:
             due_ns = math.ceil(self.tat[u] * NS_PER_SECOND)
