@@ -46,7 +46,7 @@ from benchmarks.noise import OthersCpu, tree_cpu
 from benchmarks.progress import log
 from benchmarks.servers import DEFAULT_LIMIT
 from vllm_output_rate.demo.server import DEFAULT_ENV
-from vllm_output_rate.demo.tiny_model import DEFAULT_VARIANT, VARIANTS
+from vllm_output_rate.demo.tiny_model_recipe import DEFAULT_VARIANT, VARIANTS
 
 # Paired rounds: two runs of the same code with 16 differed by 2-4 % here,
 # more than the 0.98 targets leave; 32 narrow the median's spread by √2.
