@@ -3,24 +3,21 @@
 ``Residency`` keeps the lock-out rules' state across steps. Before each
 contested step in which requests wait, ``plan`` counts the step's accounts
 (``step_slots.StepSlots``: each user's resident requests, and the slots it
-*claims*: those its budget can use beyond its resident ones), and the
-policy applies the three rules:
+*claims*: those its budget can use beyond its resident ones); then:
 
-1. ``reclaim``: throttled residents are preempted (by the ``preempt`` it is
-   given: vLLM's own recompute preemption) for the claimants when resident
-   slots or KV blocks are short; a request taken back is not taken again
-   before it has sampled once more;
+1. ``reclaim`` preempts throttled residents (with the ``preempt`` it is
+   given: vLLM's recompute preemption) for the claimants when resident slots
+   or KV blocks are short; a request taken is not taken again before it has
+   sampled once more;
 2. no refill ahead of budget (``StepSlots.may_prefill_ahead``) while another
    user with budget claimed in the last ``CONTENTION_HOLD_NS``;
-3. ``scan_needed`` and ``scanned``: vLLM's waiting scan is closed for a step
-   that cannot admit anyone.
+3. ``scan_needed``/``scanned`` close vLLM's waiting scan for a step that
+   cannot admit anyone.
 
-``count_recompute`` counts the tokens computed again after any preemption.
-The promise, the rules' reasons and their cost: docs/architecture.md,
-"Nobody waits for a throttled request". Requests are vLLM ``Request``
-objects, read through ``request_id``, ``num_output_tokens``,
-``num_computed_tokens``, ``num_tokens``, ``priority`` and the tags in
-``demand.py``.
+``count_recompute`` counts tokens computed again after any preemption. Why:
+docs/architecture.md, "Nobody waits for a throttled request". Requests are
+vLLM ``Request`` objects (read: ``request_id``, ``num_output_tokens``,
+``num_computed_tokens``, ``num_tokens``, ``priority``, ``demand.py``'s tags).
 """
 
 from __future__ import annotations
