@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_output_rate.demo.tiny_model import DEFAULT_VARIANT
+from vllm_output_rate.demo.tiny_model_recipe import DEFAULT_VARIANT
 
 FAR_LIMIT = 1e6  # tok/s: "far above demand", never binds
 STORE_URL_ENV = "VLLM_OUTPUT_RATE_BENCH_STORE_URL"  # the store side's Redis

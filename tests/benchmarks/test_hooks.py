@@ -44,7 +44,7 @@ def test_the_hook_installs_from_anywhere_and_keeps_the_seam_checks_true(
         path,
         {step_timing.PATH_ENV: str(tmp_path / "timing.json")},
         "from vllm.v1.core.sched.scheduler import Scheduler\n"
-        "from vllm_output_rate.seams import verify_seams\n"
+        "from vllm_output_rate.seams_check import verify_seams\n"
         "assert Scheduler.schedule.__wrapped__\n"
         "verify_seams(api=False)\n",
     )

@@ -36,7 +36,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
-from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.config import parse_limits_update
 from vllm_output_rate.integration import engine_setup
@@ -44,6 +43,7 @@ from vllm_output_rate.integration.api_validation import guard_engine_client
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
 from vllm_output_rate.seams import RPC_METHOD
+from vllm_output_rate.seams_check import verify_seams
 from vllm_output_rate.validation import OutputRateConfigError, validate_user_name
 
 logger = logging.getLogger("vllm.output_rate")
@@ -87,7 +87,7 @@ class OutputRateHttpPlugin:
     ) -> None:
         if engine_client is None or not engine_setup.limiting_enabled:
             return
-        seams.verify_seams(api=True)
+        verify_seams(api=True)
         keys_file = getattr(args, "output_rate_api_keys", None)
         guard_engine_client(engine_client, require_identity=bool(keys_file))
         if keys_file:

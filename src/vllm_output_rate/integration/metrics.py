@@ -24,7 +24,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from vllm_output_rate.scheduling.stats import FIRST_TOKEN_BUCKETS_S, GAP_BUCKETS_S
+from vllm_output_rate.scheduling.stat_records import (
+    FIRST_TOKEN_BUCKETS_S,
+    GAP_BUCKETS_S,
+)
 
 PREFIX = "vllm:output_rate_"
 COUNTERS = {

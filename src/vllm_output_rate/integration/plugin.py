@@ -24,6 +24,7 @@ from vllm_output_rate.integration import (
 )
 from vllm_output_rate.integration.compat import check_vllm_version
 from vllm_output_rate.integration.engine_setup import apply_output_rate
+from vllm_output_rate.seams_check import verify_seams
 
 _MARK = "__vllm_output_rate_wrapped__"
 _Fn = Callable[..., Any]
@@ -31,7 +32,7 @@ _Fn = Callable[..., Any]
 
 def register() -> None:
     check_vllm_version()
-    seams.verify_seams(api=False)
+    verify_seams(api=False)
     install()
 
 

@@ -2,30 +2,22 @@
 
 With ``--output-rate-api-keys FILE`` (and the HTTP plugin enabled), no
 request reaches the engine without a verified user, whatever route it came
-by. Two parts, so that the guarantee does not depend on knowing the routes:
+by. Two parts:
 
-* ``TrustedIdentityMiddleware`` (pure ASGI, HTTP and WebSocket) reads
-  ``Authorization: Bearer KEY`` on every request and records the key's user,
-  or none, in a per-request ``RequestIdentity``. A key that is given but
-  unknown gets HTTP 401 on any route (the admin routes, which have their own
-  key, excepted), and so does a request without a key to any path vLLM's own
-  ``--api-key`` would guard (``/v1``, ``/inference``, ...: the keys file
-  replaces ``--api-key``, so it must guard at least as much, aborts and
-  model lists included).
-* ``stamp_or_refuse`` runs at the one funnel every route goes through into
-  the engine, the API server's engine client (``seams.FUNNEL``, wrapped per
-  instance by ``api_validation.guard_engine_client``): it writes the verified user into
-  the request's sampling parameters, replacing whatever
-  ``vllm_xargs.output_rate_user`` the client sent, or refuses the request
-  (``IdentityRequiredError``, HTTP 401) before anything is registered. The
-  OpenAI request classes run the same check earlier, while the request is
-  converted to sampling parameters (see api_validation.py).
+* ``TrustedIdentityMiddleware`` (pure ASGI, HTTP and WebSocket) records the
+  user of ``Authorization: Bearer KEY``, or none, in a ``RequestIdentity``;
+  it answers 401 to an unknown key on any route but the admin routes, and
+  to a request without a key under the prefixes vLLM's ``--api-key`` guards;
+  for a request without a valid key it holds the status line until the
+  first body chunk, so that a refused stream answers 401, not 200.
+* ``stamp_or_refuse``, at the funnel every route passes into the engine
+  (``seams.FUNNEL``, wrapped by ``api_validation.guard_engine_client``),
+  writes the verified user into the request, or refuses it
+  (``IdentityRequiredError``, HTTP 401) before anything is registered.
 
-A refused request must not come back as a 200 whose stream holds an error:
-for a request without a valid key the middleware holds the response's
-status line until its first body chunk, and if the funnel refused the
-request meanwhile, answers 401 instead. Requests with a valid key are
-passed through untouched. Refusals never hint at which users exist.
+Refusals never hint at which users exist. Why the funnel, not the URL:
+docs/architecture.md, "Where each part runs"; the promise in full:
+docs/operations.md, "Trusted identity".
 """
 
 from __future__ import annotations

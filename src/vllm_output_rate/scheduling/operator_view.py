@@ -26,7 +26,8 @@ from vllm_output_rate.config import (
     parse_limits_update,
 )
 from vllm_output_rate.scheduling.fair_share import FairShare
-from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
+from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
+from vllm_output_rate.scheduling.stats import OutputRateStats
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.shortcuts import StepLayers

@@ -4,20 +4,18 @@ Each layer changes where the time goes, never what is decided:
 ``tests/scheduling/test_shortcuts.py`` runs randomized workloads with and
 without them and asserts the same dispatches and charges, step by step.
 ``ReferenceStep`` is the plain path (``"shortcuts": false`` in the plugin's
-settings); ``Shortcuts`` adds three layers (why each pays: docs/architecture.md,
-"Shortcuts"):
+settings); ``Shortcuts`` adds three layers:
 
-* **vLLM's own hook in uncontested steps.** Nobody can be refused, so our
-  per-request hook would only charge: vLLM's ``_reserve_prefill_lookahead``
-  stands in for it and the step's tokens are charged from its output.
-* **The kept batch.** A contested step on a saturated engine whose ranking
-  could not pick otherwise serves the last ranking's batch again without
-  ranking (``kept_batch.py``); when the step can schedule nothing else, the
-  running requests beyond the batch are set aside for vLLM's step and
-  vLLM's own hook runs.
-* **Settling beside the model.** ``end_step`` only notes the step; it is
-  settled when vLLM's engine asks for the grammar bitmask, after it handed
-  the step to the model worker, or by whichever entry point comes first.
+* **vLLM's own hook in uncontested steps**, whose tokens are then charged
+  from the step's output;
+* **the kept batch** (``kept_batch.py``): a contested step on a saturated
+  engine serves the last ranking's batch again without ranking, with the
+  other running requests set aside when it can schedule nothing else;
+* **settling beside the model**: ``end_step`` only notes the step; it is
+  settled when vLLM asks for the grammar bitmask, after handing the step to
+  the model worker, or by whichever entry point comes first.
+
+How each works and why it pays: docs/architecture.md, "Shortcuts".
 """
 
 from __future__ import annotations
