@@ -153,6 +153,15 @@ def test_retry_after_is_when_the_first_request_finishes_at_the_users_rate() -> N
     assert retry_after_s(view, OWN_TOKENS, 8) == pytest.approx((0.2 + 8 / 5) * 1.1)
 
 
+def test_before_the_engines_see_its_requests_they_are_as_long_as_this_one() -> None:
+    # 16 requests just admitted, none in the engines' view yet; the refused
+    # one asks for 10 tokens: 16 x 10 / 20 = 8 s.
+    view = UserView(limit=20, rate=20)
+    assert retry_after_s(view, OWN_REQUESTS, 16, assumed_remaining=10) == (
+        pytest.approx(8 * 1.1)
+    )
+
+
 def test_retry_after_has_a_floor_and_a_fallback() -> None:
     fast = UserView(limit=1000, rate=1000, requests=1, min_remaining=1)
     assert retry_after_s(fast, OWN_REQUESTS, 1) == MIN_RETRY_S

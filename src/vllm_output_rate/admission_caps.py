@@ -297,22 +297,27 @@ class UserView:
         return self.wait_s > 0
 
 
-def retry_after_s(view: UserView | None, reason: str, own_requests: int) -> float:
+def retry_after_s(
+    view: UserView | None, reason: str, own_requests: int, assumed_remaining: int = 0
+) -> float:
     """When the user's own excess is expected to be gone.
 
     Concurrent requests: when its first request finishes, its ``k`` requests
-    taking turns at its rate (``wait + k x fewest remaining / rate``).
-    Queued prompt tokens: one round of turns (``wait + k / rate``), after
-    which its oldest waiting request has its first token. Exact while the
-    user runs at its limit; when the engine is slower than the limit, the
-    requests take longer and a retry may be refused again, with a later
-    estimate. Never below MIN_RETRY_S.
+    taking turns at its rate (``wait + k x fewest remaining / rate``; while
+    the engines have not seen its requests yet, each is assumed to be as
+    long as ``assumed_remaining``, the refused request's own). Queued prompt
+    tokens: one round of turns (``wait + k / rate``), after which its oldest
+    waiting request has its first token. Exact while the user runs at its
+    limit; when the engine is slower than the limit, the requests take
+    longer and a retry may be refused again, with a later estimate. Never
+    below MIN_RETRY_S.
     """
     if view is None or view.rate <= 0:
         return MIN_RETRY_S
     turns = max(view.requests, own_requests, 1)
     if reason == OWN_REQUESTS:
-        estimate = view.wait_s + turns * max(view.min_remaining, 1) / view.rate
+        remaining = view.min_remaining if view.requests else assumed_remaining
+        estimate = view.wait_s + turns * max(remaining, 1) / view.rate
     else:
         estimate = view.wait_s + turns / view.rate
     return max(MIN_RETRY_S, estimate * (1 + RETRY_MARGIN))

@@ -3,14 +3,15 @@
 
 Installed by the HTTP plugin on its engine client (``seams.ENGINE_CLIENT``):
 
-* ``check_admission`` (vLLM calls it before rendering, ``_preflight``, and
-  again as a request registers): with the request's user known (trusted
-  identity, or the body that ``BaseServing._check_model`` just saw), a
-  request over the user's own caps gets HTTP 429 with ``Retry-After``; n
-  alone above the cap gets 400. Then vLLM's global caps, counting no
-  request of a user its own limit holds back (``UserView.paused``): 503 only
-  for true overload. An admitted request reserves its place until it
-  registers, so concurrent requests cannot all pass.
+* ``check_admission`` (vLLM calls it before rendering, ``_preflight``):
+  with the request's user known (trusted identity, or the body that
+  ``BaseServing._check_model`` just saw), a request over the user's own caps
+  gets HTTP 429 with ``Retry-After``; n alone above the cap gets 400. Then
+  vLLM's global caps, counting no request of a user its own limit holds back
+  (``EngineViews.is_paused``): 503 only for true overload. An admitted
+  request reserves its place (counted by both) until it registers, so
+  concurrent requests cannot all pass, and vLLM's second check as it
+  registers passes: a stream that started is never refused inside.
 * the funnel (``seams.FUNNEL``, inside the identity guard): every request's
   user is checked there too (routes whose body names no user), and its
   registration recorded in ``Ledger``, which counts a user's requests from
@@ -78,12 +79,15 @@ class AdmissionContext:
     reserved: int = 0  # sequences reserved at the door, not yet registered
     registered: bool = False
     new_tokens: int = 0  # its max_tokens, while not yet in the engines' view
-    retry_after_s: float | None = None  # set with a 429
+    refused: tuple[str, int] | None = None  # a 429's reason, requests held
 
 
 current: ContextVar[AdmissionContext | None] = ContextVar(
     "output_rate_admission", default=None
 )
+# Set while a request this module admitted registers: vLLM's own second
+# check then passes (its place is counted, as a reservation, until then).
+_admitted: ContextVar[bool] = ContextVar("output_rate_admitted", default=False)
 
 
 class Ledger:
@@ -94,15 +98,19 @@ class Ledger:
         self._states: dict[str, Any] = output_processor.request_states
         self._parents: dict[str, Any] = output_processor.parent_requests
         self.entries: dict[str, dict[str, int]] = {}  # user -> {id: n}
+        # Admitted, not registered yet (counted against the caps meanwhile).
         self.reserved: dict[str, int] = {}
+        self.reserved_total = 0
 
     def reserve(self, user: str, n: int) -> None:
         self.reserved[user] = self.reserved.get(user, 0) + n
+        self.reserved_total += n
 
     def release(self, user: str, n: int) -> None:
-        left = self.reserved.get(user, 0) - n
-        if left > 0:
-            self.reserved[user] = left
+        held = self.reserved.get(user, 0)
+        self.reserved_total -= min(n, held)
+        if held > n:
+            self.reserved[user] = held - n
         else:
             self.reserved.pop(user, None)
 
@@ -211,10 +219,7 @@ class Admission:
         if refused.status == 400:
             raise VLLMValidationError(refused.message, parameter="n")
         if context is not None:
-            context.user = user
-            context.retry_after_s = retry_after_s(
-                self.views.view(user), refused.reason, own
-            )
+            context.user, context.refused = user, (refused.reason, own)
         raise UserOverCapError(refused.message)
 
     def check_global(self, n: int, user: str | None) -> None:
@@ -228,7 +233,7 @@ class Admission:
                 stats.get_num_requests()
                 if stats is not None
                 else client.get_num_unfinished_requests()
-            )
+            ) + self.ledger.reserved_total
             if count + n > cap:
                 count -= self._paused_requests(elsewhere_counted=stats is not None)
                 if count + n > cap:
@@ -247,11 +252,10 @@ class Admission:
                     raise MaxQueuedTokensError()
 
     def _paused(self, users: Iterable[str]) -> list[str]:
-        views = self.views.views
-        return [u for u in users if (v := views.get(u)) is not None and v.paused]
+        return [u for u in users if self.views.is_paused(u)]
 
     def _paused_requests(self, elsewhere_counted: bool) -> int:
-        count = sum(self.ledger.in_flight(u) for u in self._paused(self.ledger.users()))
+        count = sum(self.ledger.requests(u) for u in self._paused(self.ledger.users()))
         if elsewhere_counted:
             elsewhere = self.views.elsewhere
             count += sum(elsewhere[u] for u in self._paused(elsewhere))
@@ -281,6 +285,8 @@ class Admission:
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """In place of vLLM's ``AsyncLLM.check_admission``."""
+        if request_id is not None and _admitted.get():
+            return
         context = current.get()
         user = None
         if request_id is None and context is not None and context.request is not None:
@@ -313,12 +319,16 @@ class Admission:
             held, context.reserved = context.reserved, 0
         else:
             self.admit_user(user, n, context)
+            self.check_global(n, user)
             self.ledger.reserve(user, held := n)
+        token = _admitted.set(True)
         try:
             queue = await original(request_id, prompt, params, *args, **kwargs)
         except BaseException:
             self.ledger.release(user, held)
             raise
+        finally:
+            _admitted.reset(token)
         self.ledger.register(user, getattr(queue, "request_id", request_id), n)
         self.ledger.release(user, held)
         self.views.watch(user)
@@ -347,10 +357,14 @@ class Admission:
                 new_tokens=0 if context.registered else context.new_tokens,
                 requests_cap=self.views.caps.requests_of(user, self.global_caps),
                 own_requests=own,
-                requests_reset_s=retry_after_s(view, OWN_REQUESTS, own),
+                requests_reset_s=retry_after_s(
+                    view, OWN_REQUESTS, own, context.new_tokens
+                ),
             )
-        if context.retry_after_s is not None:
-            headers.update(retry_headers(context.retry_after_s))
+        if context.refused is not None:
+            reason, own = context.refused
+            wait = retry_after_s(view, reason, own, context.new_tokens)
+            headers.update(retry_headers(wait))
         return headers
 
 

@@ -31,6 +31,10 @@ from vllm_output_rate.admission_caps import (
 logger = logging.getLogger("vllm.output_rate")
 REFRESH_S = 0.1
 WATCH_S = 2.0
+# A user seen paused counts as paused this long: one that runs at its limit
+# is paused between its tokens, and a reading that falls on a token's due
+# time must not make its requests fill the global caps for a moment.
+PAUSE_HOLD_S = 0.5
 FETCH_TIMEOUT_S = 0.5
 
 Call = Callable[[dict[str, Any]], Awaitable[list[Any]]]
@@ -58,6 +62,7 @@ class EngineViews:
         self.global_caps = global_caps or GlobalCaps()
         self.caps_version: int | None = None
         self._watched: dict[str, float] = {}
+        self._paused_until: dict[str, float] = {}
         self._fetches: dict[str, asyncio.Future[UserView | None]] = {}
         self._failing = False
 
@@ -66,6 +71,12 @@ class EngineViews:
 
     def view(self, user: str) -> UserView | None:
         return self.views.get(user)
+
+    def is_paused(self, user: str) -> bool:
+        """Whether the user's own limit holds it back (seen so in the last
+        PAUSE_HOLD_S)."""
+        until = self._paused_until.get(user)
+        return until is not None and until > self._clock()
 
     def _payload(self, users: Iterable[str], others: bool) -> dict[str, Any]:
         return {
@@ -87,6 +98,12 @@ class EngineViews:
         answers = await self._call(self._payload(users, self._others))
         views, elsewhere = self._merge(answers)
         self.views, self.elsewhere = views, elsewhere
+        now = self._clock()
+        hold = {u: now + PAUSE_HOLD_S for u, v in views.items() if v.paused}
+        self._paused_until = {
+            **{u: t for u, t in self._paused_until.items() if t > now},
+            **hold,
+        }
 
     def _merge(self, answers: list[Any]) -> tuple[dict[str, UserView], dict[str, int]]:
         """The engines' answers as one view per user (and take new caps)."""
