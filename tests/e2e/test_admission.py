@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 
 openai = pytest.importorskip("openai")
 
-LIMITS = {"hog": 20, "light": 25, "capped": 4, "routes": 100}
+LIMITS = {"hog": 20, "light": 25, "capped": 4, "routes": 100, "fast": 100_000}
 ARGS = [
     "--max-num-seqs",
     "32",
@@ -171,6 +171,46 @@ def test_the_clients_own_retry_succeeds_when_the_excess_is_transient(
     assert codes.count(429) >= 1 and codes.count(200) == 3
 
 
+def test_a_server_full_of_users_with_budget_still_answers_503(
+    server: str, tiny_model_path: str
+) -> None:
+    """16 streams of a user far below its limit fill vLLM's cap for real: a
+    request of another user gets vLLM's 503 (with its own headers)."""
+    body = {
+        "model": tiny_model_path,
+        "prompt": PROMPT,
+        "max_tokens": 850,  # several seconds at this CPU's full speed
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+            streams = [
+                await client.send(
+                    client.build_request(
+                        "POST", "/v1/completions", json={**body, **xargs("fast")}
+                    ),
+                    stream=True,
+                )
+                for _ in range(16)
+            ]
+            assert all(s.status_code == 200 for s in streams)
+            async for _ in streams[-1].aiter_bytes():
+                break  # the last one streams: all 16 are in the engine
+            other = await client.post(
+                "/v1/completions",
+                json={**body, "stream": False, "max_tokens": 2, **xargs("routes")},
+            )
+            for held in streams:
+                await held.aclose()
+            return other
+
+    response = asyncio.run(run())
+    assert response.status_code == 503, response.text
+    assert response.headers["x-ratelimit-limit-tokens"] == "6000"
+
+
 # ----- headers on each generating route -----------------------------------------
 
 
@@ -184,6 +224,7 @@ def generating_requests(model: str) -> list[tuple[str, dict[str, Any]]]:
         **user,
     }
     responses = {"model": model, "input": "hi", "max_output_tokens": 3, **user}
+    messages = {"model": model, "messages": chat["messages"], "max_tokens": 3, **user}
     generate = {
         "model": model,
         "token_ids": [1, 2, 3],
@@ -198,10 +239,14 @@ def generating_requests(model: str) -> list[tuple[str, dict[str, Any]]]:
         ("/v1/responses", {**responses, "stream": True}),
         ("/inference/v1/generate", generate),
         ("/inference/v1/generate", {**generate, "stream": True}),
+        ("/v1/messages", messages),
+        ("/v1/messages", {**messages, "stream": True}),
+        ("/invocations", completion),
+        ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]]}),
     ]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(12))
 def test_rate_limit_headers_on_each_generating_route(
     server: str, tiny_model_path: str, index: int
 ) -> None:

@@ -295,9 +295,10 @@ class Admission:
         if user is not None and context is not None:
             self.views.watch(user)
             self.admit_user(user, n, context)
+            context.user = user  # a 503 carries the user's headers too
             self.check_global(n, user)
             self.ledger.reserve(user, n)
-            context.user, context.reserved = user, context.reserved + n
+            context.reserved += n
             return
         self.check_global(n, None)
 

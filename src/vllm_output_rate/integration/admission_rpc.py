@@ -196,16 +196,18 @@ def admission_view(engine_core: Any, policy: Any, payload: dict[str, Any]) -> An
     limiter = policy.limiter
     leases = getattr(policy, "leases", None)
     labels = policy.stats.labels
-    now = limiter.now_ns()
     users = {}
     for user in wanted | counts.keys():
         limit = limiter.rate_of(user)
         share = leases.lease_rate(user) if leases is not None else None
         here, outstanding, fewest, elsewhere = counts.get(user, (0, 0, 0, 0))
+        # ready_at_ns is its own clock reading when the user may take now:
+        # the clock read after it tells a wait from none.
+        ready = limiter.ready_at_ns(user)
         users[user] = [
             limit,
             limit if share is None else share,
-            max(0, limiter.ready_at_ns(user) - now) / NS,
+            max(0, ready - limiter.now_ns()) / NS,
             here,
             outstanding,
             fewest if here else 0,
