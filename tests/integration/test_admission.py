@@ -86,7 +86,7 @@ def make(
     engines = FakeEngines(caps)
     views = EngineViews(engines, others=kw.get("others", False))
     checker = adm.Admission(client, views, identity_required=False)
-    views.local_users = checker.ledger.users
+    views.local_users = checker.ledger.live_users
     return checker, client, engines
 
 
@@ -201,6 +201,19 @@ def test_the_users_own_cap_gives_429_with_its_reason() -> None:
     client.finish("u-1")
     at_door(checker, "u")
     assert client.rejections == []  # vLLM's counter is for its own caps
+
+
+def test_finished_requests_leave_nothing_behind() -> None:
+    checker, client, engines = make()
+    enter(checker, client, "once", "o-1")
+    asyncio.run(checker.views.refresh())
+    assert engines.calls[-1]["users"] == ["once"]
+    client.finish("o-1")
+    asyncio.run(checker.views.refresh())
+    assert checker.ledger.entries == {}
+    checker.views._watched.clear()  # as WATCH_S later
+    asyncio.run(checker.views.refresh())
+    assert checker.views.views == {}
 
 
 def test_n_above_the_cap_is_bad_input() -> None:

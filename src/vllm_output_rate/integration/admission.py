@@ -159,6 +159,14 @@ class Ledger:
     def users(self) -> list[str]:
         return list(self.entries.keys() | self.reserved.keys())
 
+    def live_users(self) -> list[str]:
+        """Users with requests in flight or places reserved, dropping every
+        finished request (run periodically: a user that never comes back
+        leaves no entry behind)."""
+        for user in list(self.entries):
+            self.in_flight(user)
+        return self.users()
+
 
 class Admission:
     def __init__(

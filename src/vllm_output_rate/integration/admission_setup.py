@@ -45,7 +45,7 @@ def start_admission(
     checker = admission.Admission(
         engine_client, views, identity_required=identity_required
     )
-    views.local_users = checker.ledger.users
+    views.local_users = checker.ledger.live_users
     admission.install(engine_client, checker)
     tasks = [
         asyncio.create_task(views.run()),
