@@ -71,6 +71,7 @@ def check_cost(in_flight: int, calls: int) -> dict[str, float]:
     from vllm.v1.engine.output_processor import OutputProcessor
 
     from vllm_output_rate.integration import admission as adm
+    from vllm_output_rate.integration import admission_context as ctx
     from vllm_output_rate.integration.admission_view import EngineViews
 
     processor = OutputProcessor(None, log_stats=False)
@@ -111,12 +112,12 @@ def check_cost(in_flight: int, calls: int) -> dict[str, float]:
         vllm_xargs={"output_rate_user": "user-7"}, n=1, max_tokens=50
     )
 
-    def ours() -> adm.AdmissionContext:
-        context = adm.AdmissionContext()
-        token = adm.current.set(context)
-        adm.note_checked_request(request)
+    def ours() -> ctx.AdmissionContext:
+        context = ctx.AdmissionContext()
+        token = ctx.current.set(context)
+        ctx.note_checked_request(request)
         checker.check_admission(1)
-        adm.current.reset(token)
+        ctx.current.reset(token)
         checker.end(context)
         return context
 

@@ -14,6 +14,7 @@ from vllm.exceptions import QueueOverflowError, VLLMValidationError
 
 from vllm_output_rate.admission_caps import REQUESTS_KEY, TOKENS_KEY
 from vllm_output_rate.integration import admission as adm
+from vllm_output_rate.integration import admission_context as ctx
 from vllm_output_rate.integration.admission_view import EngineViews
 
 
@@ -94,15 +95,15 @@ def request_of(user: str, n: int = 1) -> Any:
     return SimpleNamespace(vllm_xargs={"output_rate_user": user}, n=n, max_tokens=10)
 
 
-def at_door(checker: adm.Admission, user: str, n: int = 1) -> adm.AdmissionContext:
+def at_door(checker: adm.Admission, user: str, n: int = 1) -> ctx.AdmissionContext:
     """A request's check before rendering, as vLLM's _preflight makes it."""
-    context = adm.AdmissionContext()
-    token = adm.current.set(context)
+    context = ctx.AdmissionContext()
+    token = ctx.current.set(context)
     try:
-        adm.note_checked_request(request_of(user, n))
+        ctx.note_checked_request(request_of(user, n))
         checker.check_admission(n)
     finally:
-        adm.current.reset(token)
+        ctx.current.reset(token)
     return context
 
 
@@ -111,7 +112,7 @@ def enter(
     client: FakeEngineClient,
     user: str,
     request_id: str,
-    context: adm.AdmissionContext | None = None,
+    context: ctx.AdmissionContext | None = None,
 ) -> None:
     """The request registers through the funnel (vLLM's add_request, which
     checks admission again before it registers)."""
@@ -125,11 +126,11 @@ def enter(
     params = SimpleNamespace(extra_args={"output_rate_user": user}, n=1)
 
     async def run() -> None:
-        token = adm.current.set(context)
+        token = ctx.current.set(context)
         try:
             await checker.enter(original, request_id, None, params)
         finally:
-            adm.current.reset(token)
+            ctx.current.reset(token)
 
     asyncio.run(run())
 
@@ -187,14 +188,14 @@ def test_the_users_own_cap_gives_429_with_its_reason() -> None:
     asyncio.run(checker.views.refresh())
     enter(checker, client, "u", "u-1")
     enter(checker, client, "u", "u-2")
-    context = adm.AdmissionContext()
-    token = adm.current.set(context)
+    context = ctx.AdmissionContext()
+    token = ctx.current.set(context)
     try:
-        adm.note_checked_request(request_of("u"))
+        ctx.note_checked_request(request_of("u"))
         with pytest.raises(adm.UserOverCapError) as refused:
             checker.check_admission(1)
     finally:
-        adm.current.reset(token)
+        ctx.current.reset(token)
     assert refused.value.http_status == 429
     assert context.refused == ("user_max_concurrent_requests", 2)
     # A finished request gives its place back.

@@ -14,12 +14,11 @@ Installed by the HTTP plugin on its engine client (``seams.ENGINE_CLIENT``):
   registers passes: a stream that started is never refused inside.
 * the funnel (``seams.FUNNEL``, inside the identity guard): every request's
   user is checked there too (routes whose body names no user), and its
-  registration recorded in ``Ledger``, which counts a user's requests from
-  vLLM's own output processor (sequences of ``n`` each, released when vLLM
-  drops them: finished or aborted).
-* ``AdmissionMiddleware``: one ``AdmissionContext`` per HTTP request; adds
-  the ``x-ratelimit-*`` headers (and a 429's ``Retry-After``) to the
-  response of every request whose user was checked, streamed or not.
+  registration recorded in the ``Ledger`` (admission_ledger.py), which
+  counts a user's requests from vLLM's own output processor.
+* ``headers``: the ``x-ratelimit-*`` headers (and a 429's ``Retry-After``)
+  that ``AdmissionMiddleware`` (admission_context.py) adds to the response
+  of every request whose user was checked, streamed or not.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from contextvars import ContextVar
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -52,12 +49,16 @@ from vllm_output_rate.admission_caps import (
 )
 from vllm_output_rate.config import ANONYMOUS_USER
 from vllm_output_rate.identity import USER_FIELD, user_from_extra_args
+from vllm_output_rate.integration.admission_context import (
+    AdmissionContext,
+    admitted,
+    current,
+)
+from vllm_output_rate.integration.admission_ledger import Ledger
 from vllm_output_rate.integration.admission_view import EngineViews
 from vllm_output_rate.integration.trusted_identity import verified_user
 from vllm_output_rate.validation import OutputRateConfigError
 
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 OTHER_LABEL = "__other__"
 # Per-user rejection counts (for the stats route) are kept this long.
 REJECTIONS_KEPT_S = 600.0
@@ -68,104 +69,6 @@ class UserOverCapError(GracefulHTTPError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, HTTPStatus.TOO_MANY_REQUESTS)
-
-
-@dataclass
-class AdmissionContext:
-    """One HTTP request's admission (shared by reference with its tasks)."""
-
-    request: Any = None  # the API request object, once its model was checked
-    user: str | None = None  # whose caps it was checked against
-    reserved: int = 0  # sequences reserved at the door, not yet registered
-    registered: bool = False
-    new_tokens: int = 0  # its max_tokens, while not yet in the engines' view
-    refused: tuple[str, int] | None = None  # a 429's reason, requests held
-
-
-current: ContextVar[AdmissionContext | None] = ContextVar(
-    "output_rate_admission", default=None
-)
-# Set while a request this module admitted registers: vLLM's own second
-# check then passes (its place is counted, as a reservation, until then).
-_admitted: ContextVar[bool] = ContextVar("output_rate_admitted", default=False)
-
-
-class Ledger:
-    """Each user's requests in this API server, counted from vLLM's own
-    output processor (a request is in flight while vLLM tracks it)."""
-
-    def __init__(self, output_processor: Any) -> None:
-        self._states: dict[str, Any] = output_processor.request_states
-        self._parents: dict[str, Any] = output_processor.parent_requests
-        self.entries: dict[str, dict[str, int]] = {}  # user -> {id: n}
-        # Admitted, not registered yet (counted against the caps meanwhile).
-        self.reserved: dict[str, int] = {}
-        self.reserved_total = 0
-
-    def reserve(self, user: str, n: int) -> None:
-        self.reserved[user] = self.reserved.get(user, 0) + n
-        self.reserved_total += n
-
-    def release(self, user: str, n: int) -> None:
-        held = self.reserved.get(user, 0)
-        self.reserved_total -= min(n, held)
-        if held > n:
-            self.reserved[user] = held - n
-        else:
-            self.reserved.pop(user, None)
-
-    def register(self, user: str, request_id: str, n: int) -> None:
-        self.entries.setdefault(user, {})[request_id] = n
-
-    def _live(self, request_id: str, n: int) -> list[Any]:
-        """The vLLM request states of one entry still in flight."""
-        if n == 1:
-            state = self._states.get(request_id)
-            return [] if state is None else [state]
-        parent = self._parents.get(request_id)
-        if parent is None:
-            return []
-        return [s for c in parent.child_requests if (s := self._states.get(c))]
-
-    def in_flight(self, user: str) -> int:
-        """The user's registered sequences in flight (finished ones dropped)."""
-        entries = self.entries.get(user)
-        if not entries:
-            return 0
-        count = 0
-        for request_id, n in list(entries.items()):
-            live = len(self._live(request_id, n))
-            if live:
-                count += live
-            else:
-                del entries[request_id]
-        if not entries:
-            del self.entries[user]
-        return count
-
-    def requests(self, user: str) -> int:
-        return self.in_flight(user) + self.reserved.get(user, 0)
-
-    def queued_tokens(self, user: str) -> int:
-        """Prompt tokens of the user's requests still in prefill (as vLLM
-        counts them for its own token cap)."""
-        return sum(
-            state.prompt_len
-            for request_id, n in list(self.entries.get(user, {}).items())
-            for state in self._live(request_id, n)
-            if state.is_prefilling
-        )
-
-    def users(self) -> list[str]:
-        return list(self.entries.keys() | self.reserved.keys())
-
-    def live_users(self) -> list[str]:
-        """Users with requests in flight or places reserved, dropping every
-        finished request (run periodically: a user that never comes back
-        leaves no entry behind)."""
-        for user in list(self.entries):
-            self.in_flight(user)
-        return self.users()
 
 
 class Admission:
@@ -293,7 +196,7 @@ class Admission:
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         """In place of vLLM's ``AsyncLLM.check_admission``."""
-        if request_id is not None and _admitted.get():
+        if request_id is not None and admitted.get():
             return
         context = current.get()
         user = None
@@ -330,14 +233,14 @@ class Admission:
             self.admit_user(user, n, context)
             self.check_global(n, user)
             self.ledger.reserve(user, held := n)
-        token = _admitted.set(True)
+        token = admitted.set(True)
         try:
             queue = await original(request_id, prompt, params, *args, **kwargs)
         except BaseException:
             self.ledger.release(user, held)
             raise
         finally:
-            _admitted.reset(token)
+            admitted.reset(token)
         self.ledger.register(user, getattr(queue, "request_id", request_id), n)
         self.ledger.release(user, held)
         self.views.watch(user)
@@ -384,62 +287,6 @@ def _user_of_params(params: Any) -> str:
         return user_from_extra_args(getattr(params, "extra_args", None))
     except OutputRateConfigError:
         return ANONYMOUS_USER
-
-
-def requested_tokens(request: Any) -> int:
-    """The most output tokens an API request asks for, when it says."""
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = getattr(request, name, None)
-        if isinstance(value, int) and value > 0:
-            return value * max(1, int(getattr(request, "n", 1) or 1))
-    params = getattr(request, "sampling_params", None)
-    value = getattr(params, "max_tokens", None)
-    return value if isinstance(value, int) and value > 0 else 0
-
-
-class AdmissionMiddleware:
-    """Gives every HTTP request an ``AdmissionContext`` and its response the
-    admission headers (at its start: for a stream, at admission)."""
-
-    def __init__(self, app: Any, holder: Any) -> None:
-        self.app = app
-        self._holder = holder  # has .admission: Admission | None
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
-        admission: Admission | None = self._holder.admission
-        if admission is None or scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        context = AdmissionContext()
-        token = current.set(context)
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start" and context.user is not None:
-                extra = await admission.headers(context)
-                if extra:
-                    message = {
-                        **message,
-                        "headers": [
-                            *message.get("headers", []),
-                            *((k.encode(), v.encode()) for k, v in extra.items()),
-                        ],
-                    }
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_headers)
-        finally:
-            current.reset(token)
-            admission.end(context)
-
-
-def note_checked_request(request: Any) -> None:
-    """Called with each API request whose model vLLM just checked, right
-    before its admission check (``seams.MODEL_CHECK``)."""
-    context = current.get()
-    if context is not None:
-        context.request = request
-        context.new_tokens = requested_tokens(request)
 
 
 def install(engine_client: Any, admission: Admission) -> None:

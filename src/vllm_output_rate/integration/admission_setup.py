@@ -22,6 +22,7 @@ from vllm_output_rate.admission_caps import (
 )
 from vllm_output_rate.config import parse_limits_update
 from vllm_output_rate.integration import admission
+from vllm_output_rate.integration.admission_context import note_checked_request
 from vllm_output_rate.integration.admission_view import EngineViews, engine_call
 
 _hooked = False
@@ -71,7 +72,7 @@ def install_model_check_hook() -> None:
             self: Any, request: Any, *args: Any, **kwargs: Any
         ) -> Any:
             result = await original(self, request, *args, **kwargs)
-            admission.note_checked_request(request)
+            note_checked_request(request)
             return result
 
         return check_model

@@ -39,6 +39,7 @@ from starlette.datastructures import State
 from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
 from vllm_output_rate.integration import admission, engine_setup
+from vllm_output_rate.integration.admission_context import AdmissionMiddleware
 from vllm_output_rate.integration.admission_setup import (
     check_limits_update,
     start_admission,
@@ -80,7 +81,7 @@ class OutputRateHttpPlugin:
     def attach_router(self, app: FastAPI) -> None:
         # Passes everything through until init_state loads a keys file.
         app.add_middleware(TrustedIdentityMiddleware, keys_holder=self)
-        app.add_middleware(admission.AdmissionMiddleware, holder=self)
+        app.add_middleware(AdmissionMiddleware, holder=self)
         if self._admin_key is None:
             return  # the admin endpoint is off without a key
         router = APIRouter(prefix=PREFIX)
