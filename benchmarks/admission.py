@@ -258,18 +258,21 @@ async def _stream(
     }
     sent = time.monotonic()
     first = last = None
+    error = False
     async with client.stream("POST", "/v1/completions", json=body) as response:
         status = response.status_code
         retry = response.headers.get("retry-after-ms")
         if status == 200:
             async for line in response.aiter_lines():
-                if line.startswith("data: {"):
+                if line.startswith('data: {"error"'):
+                    error = True  # refused inside its 200 stream
+                elif line.startswith("data: {"):
                     last = time.monotonic()
                     first = first or last
         else:
             await response.aread()
     return {
-        "status": status,
+        "status": "200 with an error event" if error else status,
         "retry_after_ms": None if retry is None else int(retry),
         "first_token_s": None if first is None else first - sent,
         "last_token_s": None if last is None else last - sent,
