@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.server_metrics import scrape_total
+from harness.server_metrics import metric_total, scrape_total
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.loadtest.sse import sse_data
 
@@ -196,8 +196,14 @@ def test_a_server_full_of_users_with_budget_still_answers_503(
                 for _ in range(16)
             ]
             assert all(s.status_code == 200 for s in streams)
-            async for _ in streams[-1].aiter_bytes():
-                break  # the last one streams: all 16 are in the engine
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # until all 16 are in the engine
+                metrics = (await client.get("/metrics")).text
+                running = metric_total(metrics, "vllm:num_requests_running")
+                waiting = metric_total(metrics, "vllm:num_requests_waiting")
+                if running + waiting >= 16:
+                    break
+                await asyncio.sleep(0.2)
             other = await client.post(
                 "/v1/completions",
                 json={**body, "stream": False, "max_tokens": 2, **xargs("routes")},
