@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks import (
     accuracy,
+    admission,
     checkout,
     fair_shares,
     isolation,
@@ -54,6 +55,7 @@ SECTIONS: dict[str, Measure] = {
     "store": lambda quick, work_dir: store.run(quick, True, work_dir),
     "speculative": speculative.run,
     "fair_shares": fair_shares.run,
+    "admission": admission.run,
 }
 ON_SERVERS: dict[str, Callable[[ServerPool, bool], dict[str, Any]]] = {
     "isolation": isolation.isolation,

@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks.report import (
     accuracy,
+    admission,
     fair_shares,
     history,
     isolation,
@@ -37,6 +38,7 @@ SECTIONS: dict[str, ModuleType] = {
     "store": store,
     "speculative": speculative,
     "fair_shares": fair_shares,
+    "admission": admission,
 }
 
 

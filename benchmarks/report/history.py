@@ -18,6 +18,7 @@ COLUMNS = {
     "speculative_engine": "speculative engine",
     "speculative_step": "speculative `schedule()` from R = 64 (worst)",
     "saturated_engine": "saturated engine (fair shares)",
+    "admission_server": "server with admission caps not binding",
 }
 
 

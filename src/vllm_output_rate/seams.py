@@ -138,6 +138,7 @@ REQUEST_FIELDS = (
     "mm_features",
     "num_prompt_tokens",
     "next_decode_eligible_step",
+    "client_index",  # admission: which API server sent it
 )
 
 
@@ -242,6 +243,26 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
         "AsyncMPClient.call_utility_async",
         ["self", "method"],
     ),
+    (
+        "vllm.v1.engine.core_client",
+        "AsyncMPClient.call_utility_all_async",
+        ["self", "method"],
+    ),
+    (
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM.check_admission",
+        ["self", "n", "request_id"],
+    ),
+    (
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM._record_admission_rejection",
+        ["self", "reason"],
+    ),
+    (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing._check_model",
+        ["self", "request"],
+    ),
 ]
 REQUEST_CLASSES: list[tuple[str, str]] = [
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
@@ -268,6 +289,10 @@ ENGINE_ENTRY_CALLERS: dict[str, set[str]] = {
     "self._add_request(": {FUNNEL, "_add_streaming_input_request"},
     "self._add_streaming_input_request(": {FUNNEL},
 }
+# Admission (integration/admission.py): the engine client's check, replaced
+# per instance, and the method that sees each API request just before it.
+ADMISSION_CHECK = "check_admission"
+MODEL_CHECK = ("vllm.entrypoints.serve.engine.serving", "BaseServing._check_model")
 # vLLM's own --api-key middleware and the path prefixes it guards: with our
 # API keys (which replace --api-key) the same paths need a valid key.
 API_KEY_GUARD = ("vllm.entrypoints.serve.middleware.authenticate", "GUARDED_PREFIX")
@@ -338,12 +363,59 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
     # The idle wait (integration/engine_loop.py).
     ("vllm.v1.engine.core", "EngineCore.__init__", "self.batch_queue",
      "EngineCore keeps its batches in flight in batch_queue"),
+    # Admission (integration/admission.py, admission_rpc.py).
+    *[("vllm.v1.engine.async_llm", "AsyncLLM.check_admission", needle,
+       f"AsyncLLM.check_admission counts with {needle}")
+      for needle in ("self.scheduler_config.max_num_queued_reqs",
+                     "self.admission_stats.get_num_requests()",
+                     "self.get_num_unfinished_requests()",
+                     "self.scheduler_config.max_num_queued_tokens",
+                     "self.get_num_queued_tokens()")],
+    ("vllm.v1.engine.async_llm", "AsyncLLM._add_request",
+     "self.check_admission(request_id=request.request_id)",
+     "AsyncLLM._add_request checks admission before it registers a request"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.add_request",
+     "self.check_admission(parent_params.n",
+     "AsyncLLM.add_request checks admission for n > 1"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.add_request",
+     "RequestOutputCollector(params.output_kind, request.request_id)",
+     "AsyncLLM.add_request returns a collector named by the request id"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "self.admission_stats =",
+     "AsyncLLM keeps admission_stats"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.get_num_queued_tokens",
+     "req.prompt_len for req in self.request_states.values() if req.is_prefilling",
+     "OutputProcessor counts queued tokens from request_states"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.__init__",
+     "self.parent_requests:", "OutputProcessor keeps parent_requests"),
+    ("vllm.v1.engine.parallel_sampling", "ParentRequest.__init__",
+     "self.child_requests =", "ParentRequest keeps its child_requests"),
+    ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing._preflight",
+     "self.engine_client.check_admission(n)",
+     "GenerateBaseServing._preflight checks admission"),
+    *[(module, function, "await self._check_model(request)",
+       f"{function} checks the model before its admission check")
+      for module, function in (
+          ("vllm.entrypoints.openai.chat_completion.serving",
+           "OpenAIServingChat.render_chat_request"),
+          ("vllm.entrypoints.openai.completion.serving",
+           "OpenAIServingCompletion.render_completion_request"),
+          ("vllm.entrypoints.openai.responses.serving",
+           "OpenAIServingResponses._create_responses"),
+          ("vllm.entrypoints.scale_out.token_in_token_out.serving",
+           "ServingTokens.serve_tokens"))],
+    ("vllm.v1.engine.core", "EngineCore.__init__", "self.vllm_config = vllm_config",
+     "EngineCore keeps its vllm_config"),
     # Where a step is settled while the model runs (integration/scheduler.py).
     ("vllm.v1.engine.core", "EngineCore.step",
      "self.scheduler.get_grammar_bitmask(scheduler_output)",
      "EngineCore.step asks the scheduler for the step's grammar bitmask while the "
      "worker runs the step"),
 ]  # fmt: skip
+
+
+def record_admission_rejection(engine_client: Any, reason: str) -> None:
+    """Count a refusal of vLLM's global caps in vLLM's own counter."""
+    engine_client._record_admission_rejection(reason)
 
 
 def api_key_guarded_prefixes() -> tuple[str, ...]:

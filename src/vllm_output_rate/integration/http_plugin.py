@@ -37,8 +37,13 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
 from vllm_output_rate.api_keys import ApiKeys
-from vllm_output_rate.config import parse_limits_update
-from vllm_output_rate.integration import engine_setup
+from vllm_output_rate.integration import admission, engine_setup
+from vllm_output_rate.integration.admission_context import AdmissionMiddleware
+from vllm_output_rate.integration.admission_setup import (
+    check_limits_update,
+    start_admission,
+    with_rejections,
+)
 from vllm_output_rate.integration.api_validation import guard_engine_client
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
@@ -68,12 +73,15 @@ class OutputRateHttpPlugin:
         self._collector = OutputRateCollector()
         self._poller: asyncio.Task[None] | None = None
         self.api_keys: ApiKeys | None = None  # read by the middleware
+        self.admission: admission.Admission | None = None  # read by its middleware
+        self._admission_tasks: list[asyncio.Task[None]] = []
 
     # ----- vLLM's EndpointPlugin protocol -------------------------------
 
     def attach_router(self, app: FastAPI) -> None:
         # Passes everything through until init_state loads a keys file.
         app.add_middleware(TrustedIdentityMiddleware, keys_holder=self)
+        app.add_middleware(AdmissionMiddleware, holder=self)
         if self._admin_key is None:
             return  # the admin endpoint is off without a key
         router = APIRouter(prefix=PREFIX)
@@ -89,6 +97,11 @@ class OutputRateHttpPlugin:
             return
         verify_seams(api=True)
         keys_file = getattr(args, "output_rate_api_keys", None)
+        # Inside the identity guard: admission sees the verified user.
+        self.admission, self._admission_tasks = start_admission(
+            engine_client, identity_required=bool(keys_file)
+        )
+        self._collector.admission = self.admission
         guard_engine_client(engine_client, require_identity=bool(keys_file))
         if keys_file:
             self.api_keys = ApiKeys.load(keys_file)
@@ -146,7 +159,7 @@ class OutputRateHttpPlugin:
             page = parse_page(dict(request.query_params))
         except OutputRateConfigError as exc:
             return _error(400, str(exc))
-        return JSONResponse(await self._call("users", page))
+        return JSONResponse(with_rejections(await self._call("users", page), self))
 
     async def _put_limits(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
@@ -154,7 +167,7 @@ class OutputRateHttpPlugin:
         try:
             page = parse_page(dict(request.query_params))
             payload = await request.json()
-            parse_limits_update(payload)  # refuse bad input before the engine
+            check_limits_update(payload, self)  # refuse bad input before the engine
         except (ValueError, OutputRateConfigError) as exc:
             return _error(400, str(exc))
         answer = await self._call("update", {"body": payload, "page": page})

@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm_output_rate import seams
 from vllm_output_rate.integration import (
+    admission_flags,
     api_validation,
     cli_flags,
     engine_loop,
@@ -48,6 +49,9 @@ def _wrap(owner: Any, name: str, make: Callable[[_Fn], _Fn]) -> None:
     setattr(owner, name, kind(wrapper) if kind else wrapper)
 
 
+wrap = _wrap  # for the HTTP plugin's hooks (admission_setup.py)
+
+
 def install() -> None:
     """Install the engine-side wrappers (idempotent; runs in every process)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -57,6 +61,7 @@ def install() -> None:
         def wrapper(parser: Any, *args: Any, **kwargs: Any) -> Any:
             parser = original(parser, *args, **kwargs)
             cli_flags.add_flags(parser)
+            admission_flags.add_flags(parser)
             return parser
 
         return wrapper
@@ -65,15 +70,16 @@ def install() -> None:
         def wrapper(cls: Any, args: Any) -> Any:
             settings = cli_flags.settings_from_namespace(args)
             additional = getattr(args, "additional_config", None) or {}
-            cli_flags.check_api_keys_option(
-                args, limiting=settings is not None or "output_rate" in additional
-            )
+            limiting = settings is not None or "output_rate" in additional
+            cli_flags.check_api_keys_option(args, limiting=limiting)
+            caps = admission_flags.caps_for(args, settings, limiting)
             if settings is not None:
                 # On the namespace too: extra API-server processes rebuild
                 # their EngineArgs from it before this plugin is loaded.
                 args.additional_config = cli_flags.store_in_additional_config(
                     getattr(args, "additional_config", None), settings
                 )
+                admission_flags.carry(args, caps)
             return original(cls, args)
 
         return wrapper
