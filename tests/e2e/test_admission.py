@@ -30,6 +30,8 @@ openai = pytest.importorskip("openai")
 
 LIMITS = {"hog": 20, "light": 25, "capped": 4, "routes": 100, "fast": 100_000}
 ARGS = [
+    "--max-model-len",  # room for streams that outlast any test
+    "4096",
     "--max-num-seqs",
     "32",
     "--max-num-queued-reqs",
@@ -179,7 +181,9 @@ def test_a_server_full_of_users_with_budget_still_answers_503(
     body = {
         "model": tiny_model_path,
         "prompt": PROMPT,
-        "max_tokens": 850,  # several seconds at this CPU's full speed
+        # Far more than a test lasts, even on a fast CI machine: the 16 must
+        # still be in flight when the other user asks (they are closed then).
+        "max_tokens": 3900,
         "ignore_eos": True,
         "stream": True,
     }
@@ -197,17 +201,27 @@ def test_a_server_full_of_users_with_budget_still_answers_503(
             ]
             assert all(s.status_code == 200 for s in streams)
             deadline = time.monotonic() + 60
+            in_engine = 0.0
             while time.monotonic() < deadline:  # until all 16 are in the engine
                 metrics = (await client.get("/metrics")).text
-                running = metric_total(metrics, "vllm:num_requests_running")
-                waiting = metric_total(metrics, "vllm:num_requests_waiting")
-                if running + waiting >= 16:
+                in_engine = metric_total(
+                    metrics, "vllm:num_requests_running"
+                ) + metric_total(metrics, "vllm:num_requests_waiting")
+                if in_engine >= 16:
                     break
                 await asyncio.sleep(0.2)
+            assert in_engine >= 16, f"only {in_engine} of 16 streams in the engine"
             other = await client.post(
                 "/v1/completions",
                 json={**body, "stream": False, "max_tokens": 2, **xargs("routes")},
             )
+            # Still all in flight when it asked: the 503 was vLLM's cap at work.
+            metrics = (await client.get("/metrics")).text
+            assert (
+                metric_total(metrics, "vllm:num_requests_running")
+                + metric_total(metrics, "vllm:num_requests_waiting")
+                >= 16
+            ), "the streams ended before the other user asked"
             for held in streams:
                 await held.aclose()
             return other
