@@ -16,11 +16,13 @@ from vllm_output_rate.integration.identity_flags import (
     parse_body_fields,
     parse_header_name,
 )
+from vllm_output_rate.integration.trusted_identity import IdentityPolicy
 from vllm_output_rate.validation import OutputRateConfigError
 
 FLAG = "--default-user-output-tokens-per-second"
 HEADER = "--output-rate-user-header"
 FIELDS = "--output-rate-user-fields"
+SALT = "--output-rate-cache-salt"
 KEYS = "--output-rate-api-keys"
 
 
@@ -66,19 +68,25 @@ def test_the_flags_become_the_plugins_policy(
     parser, tiny_model_path: str, tmp_path: Path, http_plugin: None
 ) -> None:
     keys = keys_file(tmp_path, gateway=True)
-    argv = [FLAG, "10", KEYS, keys, HEADER, "X-End-User", FIELDS, "user"]
+    argv = [FLAG, "10", KEYS, keys, HEADER, "X-End-User", FIELDS, "user", SALT, "user"]
     args, _ = parse_engine_args(parser, tiny_model_path, *argv)
     policy = identity_policy(args)
     assert policy is not None
-    assert (policy.header, policy.body_fields) == ("x-end-user", ("user",))
+    assert (policy.header, policy.body_fields, policy.cache_salt) == (
+        "x-end-user",
+        ("user",),
+        True,
+    )
     assert policy.keys is not None and policy.keys.principal_for("g").gateway
-    # Nothing at all.
+    # The salt alone, and nothing at all.
+    args, _ = parse_engine_args(parser, tiny_model_path, FLAG, "10", SALT, "user")
+    assert identity_policy(args) == IdentityPolicy(cache_salt=True)
     args, _ = parse_engine_args(parser, tiny_model_path, FLAG, "10")
     assert identity_policy(args) is None
 
 
 def test_bad_values_are_refused_by_the_parser(parser, tiny_model_path: str) -> None:
-    for argv in ([HEADER, "authorization"], [FIELDS, "name"]):
+    for argv in ([HEADER, "authorization"], [FIELDS, "name"], [SALT, "team"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["--model", tiny_model_path, *argv])
 
@@ -90,7 +98,7 @@ def test_options_nothing_would_apply_are_refused(
         parse_engine_args(parser, tiny_model_path, *argv)
 
     monkeypatch.setenv("VLLM_PLUGINS", "output_rate,output_rate_http")
-    for flag, value in ((HEADER, "x-user"), (FIELDS, "user")):
+    for flag, value in ((HEADER, "x-user"), (FIELDS, "user"), (SALT, "user")):
         with pytest.raises(OutputRateConfigError, match=f"{flag} need {FLAG}"):
             start(flag, value)
     # A header that no key may assert, and a gateway key with nothing to
@@ -98,8 +106,8 @@ def test_options_nothing_would_apply_are_refused(
     with pytest.raises(OutputRateConfigError, match="gateway: true"):
         start(FLAG, "10", KEYS, keys_file(tmp_path, gateway=False), HEADER, "x-u")
     with pytest.raises(OutputRateConfigError, match="neither"):
-        start(FLAG, "10", KEYS, keys_file(tmp_path, gateway=True))
-    start(FLAG, "10", KEYS, keys_file(tmp_path, gateway=False))
+        start(FLAG, "10", KEYS, keys_file(tmp_path, gateway=True), SALT, "user")
+    start(FLAG, "10", KEYS, keys_file(tmp_path, gateway=False), SALT, "user")
     # The HTTP part applies them.
     monkeypatch.setenv("VLLM_PLUGINS", "output_rate")
     with pytest.raises(OutputRateConfigError, match="VLLM_PLUGINS"):

@@ -270,6 +270,8 @@ def test_the_early_check_follows_the_same_rule(
 def test_a_foreign_engine_client_is_refused_when_identity_is_required() -> None:
     with pytest.raises(OutputRateConfigError, match="AsyncLLM"):
         api_validation.guard_engine_client(object(), IdentityPolicy(keys=keys()))
+    with pytest.raises(OutputRateConfigError, match="AsyncLLM"):
+        api_validation.guard_engine_client(object(), IdentityPolicy(cache_salt=True))
     client = object()
     api_validation.guard_engine_client(client, None)  # unguarded
 

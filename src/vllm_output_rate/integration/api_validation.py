@@ -13,7 +13,7 @@ Two places, both in the API server:
   (``/inference/v1/generate``) and routes a later vLLM adds.
 
 Both apply the same rule: with an identity option on (API keys, a gateway
-header or body fields), the request gets the user
+header or body fields, the cache salt), the request gets the user
 ``identity.decide`` names or is refused (HTTP 401 or 400,
 trusted_identity.py); otherwise a malformed ``output_rate_user`` gets HTTP
 400.
@@ -73,14 +73,14 @@ def refuse_beam_search() -> None:
 def guard_engine_client(engine_client: Any, policy: IdentityPolicy | None) -> None:
     """Wrap the engine client's funnel (``seams.FUNNEL``) on this instance.
 
-    With a ``policy`` every request gets its decided user or is
+    With a ``policy`` every request gets its decided user (and salt) or is
     refused there; otherwise a malformed ``output_rate_user`` is refused.
     """
     module, name = seams.ENGINE_CLIENT
     if not isinstance(engine_client, seams.resolve(module, name)):
         if policy is not None:  # fail closed: its requests cannot be seen
             raise OutputRateConfigError(
-                f"trusted identity needs vLLM's {name} "
+                f"trusted identity and cache isolation need vLLM's {name} "
                 f"engine client; this server runs {type(engine_client).__qualname__}"
             )
         return

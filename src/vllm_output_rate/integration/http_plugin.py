@@ -9,7 +9,8 @@ since that variable then filters general plugins too, enable both:
 * Every request on its way into the engine, whatever its route, passes the
   engine client funnel: a malformed user gets HTTP 400; with API keys, a
   gateway header or body fields, the user is decided in one precedence
-  order or the request is refused (see trusted_identity.py).
+  order or the request is refused, and with the cache salt option its
+  ``cache_salt`` is set from its user (see trusted_identity.py).
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
@@ -176,6 +177,7 @@ def identity_policy(args: Namespace) -> IdentityPolicy | None:
         keys=ApiKeys.load(keys_file) if keys_file else None,
         header=getattr(args, "output_rate_user_header", None),
         body_fields=getattr(args, "output_rate_user_fields", None) or (),
+        cache_salt=getattr(args, "output_rate_cache_salt", None) == "user",
     )
     if policy == IdentityPolicy():
         return None
@@ -194,6 +196,8 @@ def identity_policy(args: Namespace) -> IdentityPolicy | None:
             ),
             "gateway keys" if keys_file else "any caller (no API keys)",
         )
+    if policy.cache_salt:
+        logger.info("Prefix cache isolated per user: cache_salt set from the user")
     return policy
 
 

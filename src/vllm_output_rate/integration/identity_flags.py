@@ -1,4 +1,4 @@
-"""The flags that name where users come from.
+"""The flags that name where users come from, and the cache salt option.
 
 Three flags join the plugin's group (API server side, not in
 ``additional_config``): the gateway header that names the end user, the
@@ -24,6 +24,8 @@ from vllm_output_rate.validation import OutputRateConfigError
 
 USER_HEADER_FLAG = "--output-rate-user-header"
 USER_FIELDS_FLAG = "--output-rate-user-fields"
+CACHE_SALT_FLAG = "--output-rate-cache-salt"
+CACHE_SALT_SCOPES = ("user",)
 HTTP_PLUGIN = "output_rate_http"
 T = TypeVar("T")
 # RFC 9110 field name characters.
@@ -108,6 +110,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         f"first present wins: {', '.join(BODY_FIELDS)} (comma-separated). "
         "Same trust as the header.",
     )
+    group.add_argument(
+        CACHE_SALT_FLAG,
+        choices=CACHE_SALT_SCOPES,
+        default=None,
+        help="Per-user prefix-cache isolation: every request's cache_salt is "
+        "set from its user, replacing any salt the client sent, so no user "
+        "can detect or reuse another's cached prompts.",
+    )
 
 
 def given_flags(args: argparse.Namespace) -> list[str]:
@@ -116,6 +126,7 @@ def given_flags(args: argparse.Namespace) -> list[str]:
         for flag, name in (
             (USER_HEADER_FLAG, "output_rate_user_header"),
             (USER_FIELDS_FLAG, "output_rate_user_fields"),
+            (CACHE_SALT_FLAG, "output_rate_cache_salt"),
         )
         if getattr(args, name, None) is not None
     ]

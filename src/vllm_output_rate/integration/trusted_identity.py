@@ -1,7 +1,7 @@
 """Whose request it is, decided once per request in the API server.
 
 The HTTP plugin sets ``policy`` (``IdentityPolicy``: API keys, the gateway
-header and body fields that may name the user) at
+header and body fields that may name the user, the cache salt option) at
 start-up. Three parts apply ``identity.decide``'s one precedence order:
 
 * ``IdentityMiddleware`` (pure ASGI, HTTP and WebSocket) records each
@@ -17,7 +17,7 @@ start-up. Three parts apply ``identity.decide``'s one precedence order:
   user admission checks before rendering.
 * ``stamp_or_refuse``, at the funnel every route passes into the engine
   (``seams.FUNNEL``, wrapped by ``api_validation.guard_engine_client``),
-  writes the decided user into the request, or refuses it (401
+  writes the decided user (and salt) into the request, or refuses it (401
   ``IdentityRequiredError``, 400 for a malformed name) before anything is
   registered.
 
@@ -48,6 +48,7 @@ from vllm_output_rate.identity import (
     user_from_body_fields,
     user_from_header,
 )
+from vllm_output_rate.integration.cache_salt import salt_for, salted
 from vllm_output_rate.validation import OutputRateConfigError
 
 REFUSAL_MESSAGE = "a valid API key is required"
@@ -65,6 +66,7 @@ class IdentityPolicy:
     keys: ApiKeys | None = None
     header: str | None = None  # lower case
     body_fields: tuple[str, ...] = ()
+    cache_salt: bool = False
 
     @property
     def reads_requests(self) -> bool:
@@ -299,7 +301,8 @@ def _decided(
 
 
 def stamp_or_refuse(prompt: Any, params: Any) -> tuple[Any, Any]:
-    """Put the decided user into a request about to enter the engine.
+    """Put the decided user (and, with the option, its cache salt) into a
+    request about to enter the engine.
 
     ``prompt`` and ``params`` are the engine client's ``add_request``
     arguments; returns them with the user written into every set of sampling
@@ -310,11 +313,14 @@ def stamp_or_refuse(prompt: Any, params: Any) -> tuple[Any, Any]:
     from vllm.v1.engine import EngineCoreRequest
 
     identity = identity_at_funnel(params)
+    salt = salt_for(identity) if policy is not None and policy.cache_salt else None
     params = with_user(params, identity.user)
     if isinstance(prompt, EngineCoreRequest):
         prompt.sampling_params = with_user(prompt.sampling_params, identity.user)
     if isinstance(prompt, AsyncIterator):
-        prompt = _stamped_inputs(prompt, identity.user)
+        prompt = _stamped_inputs(prompt, identity.user, salt)
+    elif salt is not None:
+        prompt = salted(prompt, salt)
     return prompt, params
 
 
@@ -328,9 +334,13 @@ def with_user(params: Any, user: str) -> Any:
     return params
 
 
-async def _stamped_inputs(inputs: AsyncIterator[Any], user: str) -> AsyncIterator[Any]:
+async def _stamped_inputs(
+    inputs: AsyncIterator[Any], user: str, salt: str | None
+) -> AsyncIterator[Any]:
     """Streamed inputs (vLLM's ``StreamingInput``) may bring their own
-    sampling parameters; each one gets the user."""
+    sampling parameters; each one gets the user, and its prompt the salt."""
     async for chunk in inputs:
         with_user(getattr(chunk, "sampling_params", None), user)
+        if salt is not None:
+            chunk.prompt = salted(chunk.prompt, salt)
         yield chunk
