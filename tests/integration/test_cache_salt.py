@@ -16,7 +16,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
 from vllm_output_rate.identity import Caller, Identity
-from vllm_output_rate.integration import trusted_identity
+from vllm_output_rate.integration import api_validation, engine_setup, trusted_identity
 from vllm_output_rate.integration.cache_salt import salt_for, salted
 from vllm_output_rate.integration.trusted_identity import (
     IdentityPolicy,
@@ -107,6 +107,15 @@ def test_the_funnel_overwrites_the_clients_salt(alice_salted) -> None:
     streamed, _ = stamp_or_refuse(inputs(), SamplingParams())
     chunks = asyncio.run(collect(streamed))
     assert [chunk.prompt["cache_salt"] for chunk in chunks] == [ALICE, ALICE]
+
+
+def test_the_early_check_stamps_the_user_and_leaves_the_prompt_to_the_funnel(
+    alice_salted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_setup, "limiting_enabled", True)
+    params = SamplingParams()
+    api_validation.check_sampling_params(params)
+    assert params.extra_args == {"output_rate_user": "alice"}
 
 
 def test_without_the_option_the_clients_salt_stays(

@@ -319,7 +319,7 @@ def stamp_or_refuse(prompt: Any, params: Any) -> tuple[Any, Any]:
         prompt.sampling_params = with_user(prompt.sampling_params, identity.user)
     if isinstance(prompt, AsyncIterator):
         prompt = _stamped_inputs(prompt, identity.user, salt)
-    elif salt is not None:
+    elif salt is not None and prompt is not None:  # None: params only
         prompt = salted(prompt, salt)
     return prompt, params
 
