@@ -208,6 +208,55 @@ def test_a_client_that_forges_the_header_is_refused_or_charged_as_itself(
     }
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        [b"x" * 10_240],  # 10 kB
+        [b"eve\x01"],  # a control character
+        [b"eve\x1b[31m"],  # a terminal escape
+        [b"\xff\xfe"],  # not UTF-8
+        [b""],
+        [b"alice", b"bob"],  # sent twice
+    ],
+    ids=["10kB", "control", "escape", "not-utf8", "empty", "twice"],
+)
+def test_a_malformed_header_from_the_gateway_key_gets_400(
+    vllm: str, values: list[bytes]
+) -> None:
+    auth = (b"authorization", f"Bearer {GATEWAY_KEY}".encode())
+    headers = [auth, *((USER_HEADER.encode(), value) for value in values)]
+    before = tokens(vllm)
+    for stream in (False, True):  # a real 400, never a 200 stream
+        answer = httpx.post(
+            vllm + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": stream,
+            },
+            headers=headers,
+            timeout=60,
+        )
+        assert answer.status_code == 400, answer.text
+    # Nothing was charged, and the server still serves the gateway.
+    assert charged(before, tokens(vllm)) == {}
+    erin = chat(vllm, GATEWAY_KEY, 2, {USER_HEADER: "erin"})
+    assert charged(before, tokens(vllm)) == {"erin": completion_tokens(erin)}
+
+
+def test_the_gateway_key_without_the_header_is_charged_to_the_gateway(
+    vllm: str,
+) -> None:
+    before = tokens(vllm)
+    # Body fields are not sources here (no --output-rate-user-fields), and
+    # vllm_xargs never is with keys: the gateway's own budget.
+    answer = chat(
+        vllm, GATEWAY_KEY, 3, user="alice", vllm_xargs={"output_rate_user": "alice"}
+    )
+    assert charged(before, tokens(vllm)) == {"litellm": completion_tokens(answer)}
+
+
 def prefix_cache(vllm: str) -> tuple[float, float]:
     """vLLM's prefix cache counters so far: tokens looked up, tokens found."""
     totals = {QUERIES: 0.0, HITS: 0.0}
