@@ -105,7 +105,7 @@ def check_cost(in_flight: int, calls: int) -> dict[str, float]:
         ]
 
     views = EngineViews(answer)
-    checker = adm.Admission(client, views, identity_required=False)
+    checker = adm.Admission(client, views)
     views.local_users = checker.ledger.users
     for i in range(in_flight):  # 100 users share the requests in flight
         checker.ledger.register(f"user-{i % 100}", f"r{i}", 1)

@@ -405,6 +405,23 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
            "ServingTokens.serve_tokens"))],
     ("vllm.v1.engine.core", "EngineCore.__init__", "self.vllm_config = vllm_config",
      "EngineCore keeps its vllm_config"),
+    # Per-user cache salt (integration/cache_salt.py): the salt set on a
+    # prompt at the funnel reaches the block hashes.
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs",
+     'cache_salt=decoder_input.get("cache_salt")',
+     "InputProcessor.process_inputs takes a request's cache_salt from its prompt"),
+    ("vllm.renderers.base", "BaseRenderer._process_tokens",
+     'if cache_salt := prompt.get("cache_salt")',
+     "BaseRenderer keeps a raw prompt's cache_salt"),
+    ("vllm.v1.request", "Request.from_engine_core_request",
+     "cache_salt=request.cache_salt",
+     "Request takes its cache_salt from the EngineCoreRequest"),
+    ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys",
+     '("cache_salt", request.cache_salt)',
+     "the hash of a request's first KV block mixes in its cache_salt"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM._add_streaming_input_request",
+     "prompt=input_chunk.prompt",
+     "AsyncLLM processes each streamed input from its prompt"),
     # Where a step is settled while the model runs (integration/scheduler.py).
     ("vllm.v1.engine.core", "EngineCore.step",
      "self.scheduler.get_grammar_bitmask(scheduler_output)",

@@ -86,7 +86,7 @@ def make(
     client = FakeEngineClient(max_reqs, kw.get("max_tokens"))
     engines = FakeEngines(caps)
     views = EngineViews(engines, others=kw.get("others", False))
-    checker = adm.Admission(client, views, identity_required=False)
+    checker = adm.Admission(client, views)
     views.local_users = checker.ledger.live_users
     return checker, client, engines
 

@@ -48,7 +48,7 @@ from vllm_output_rate.admission_caps import (
     retry_headers,
 )
 from vllm_output_rate.config import ANONYMOUS_USER
-from vllm_output_rate.identity import USER_FIELD, user_from_extra_args
+from vllm_output_rate.identity import user_from_extra_args
 from vllm_output_rate.integration.admission_context import (
     AdmissionContext,
     admitted,
@@ -56,7 +56,7 @@ from vllm_output_rate.integration.admission_context import (
 )
 from vllm_output_rate.integration.admission_ledger import Ledger
 from vllm_output_rate.integration.admission_view import EngineViews
-from vllm_output_rate.integration.trusted_identity import verified_user
+from vllm_output_rate.integration.trusted_identity import user_of_api_request
 from vllm_output_rate.validation import OutputRateConfigError
 
 OTHER_LABEL = "__other__"
@@ -72,12 +72,9 @@ class UserOverCapError(GracefulHTTPError):
 
 
 class Admission:
-    def __init__(
-        self, engine_client: Any, views: EngineViews, *, identity_required: bool
-    ) -> None:
+    def __init__(self, engine_client: Any, views: EngineViews) -> None:
         self.client = engine_client
         self.views = views
-        self.identity_required = identity_required
         self.ledger = Ledger(engine_client.output_processor)
         config = engine_client.scheduler_config
         self.global_caps = GlobalCaps(
@@ -91,23 +88,10 @@ class Admission:
     # ----- who asks --------------------------------------------------------
 
     def user_of_request(self, request: Any) -> str | None:
-        """The user an API request names, before it is rendered (None: its
-        kind names none here; the funnel checks it)."""
-        if self.identity_required:
-            return verified_user()  # none: refused with 401 further on
-        if hasattr(request, "vllm_xargs"):
-            extra_args = request.vllm_xargs
-        else:
-            params: Any = getattr(request, "sampling_params", None)
-            if params is None or not hasattr(params, "extra_args"):
-                return None
-            extra_args = params.extra_args
-        try:
-            return user_from_extra_args(extra_args)
-        except OutputRateConfigError as exc:
-            raise VLLMValidationError(
-                str(exc), parameter=f"vllm_xargs.{USER_FIELD}"
-            ) from None
+        """The user an API request belongs to, before it is rendered (None:
+        not known here; the funnel decides, or refuses it without a key):
+        the same decision as the funnel's, from the same sources."""
+        return user_of_api_request(request)
 
     # ----- the checks ------------------------------------------------------
 

@@ -29,7 +29,7 @@ _hooked = False
 
 
 def start_admission(
-    engine_client: Any, *, identity_required: bool
+    engine_client: Any,
 ) -> tuple[admission.Admission | None, list[asyncio.Task[None]]]:
     """Admission on ``engine_client`` (None: not vLLM's ``AsyncLLM``, whose
     admission check this replaces)."""
@@ -43,9 +43,7 @@ def start_admission(
         client=int(getattr(core, "client_index", 0)),
         others=int(getattr(core, "client_count", 1)) > 1,
     )
-    checker = admission.Admission(
-        engine_client, views, identity_required=identity_required
-    )
+    checker = admission.Admission(engine_client, views)
     views.local_users = checker.ledger.live_users
     admission.install(engine_client, checker)
     tasks = [

@@ -22,6 +22,7 @@ from vllm_output_rate.integration import (
     cli_flags,
     engine_loop,
     engine_rpc,
+    identity_flags,
 )
 from vllm_output_rate.integration.compat import check_vllm_version
 from vllm_output_rate.integration.engine_setup import apply_output_rate
@@ -62,6 +63,7 @@ def install() -> None:
             parser = original(parser, *args, **kwargs)
             cli_flags.add_flags(parser)
             admission_flags.add_flags(parser)
+            identity_flags.add_flags(parser)
             return parser
 
         return wrapper
@@ -72,6 +74,7 @@ def install() -> None:
             additional = getattr(args, "additional_config", None) or {}
             limiting = settings is not None or "output_rate" in additional
             cli_flags.check_api_keys_option(args, limiting=limiting)
+            identity_flags.check_identity_options(args, limiting=limiting)
             caps = admission_flags.caps_for(args, settings, limiting)
             if settings is not None:
                 # On the namespace too: extra API-server processes rebuild
@@ -115,7 +118,7 @@ def install_api_validation() -> None:
     def to_sampling_params(original: _Fn) -> _Fn:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             params = original(self, *args, **kwargs)
-            api_validation.check_sampling_params(params)
+            api_validation.check_sampling_params(params, self)
             return params
 
         return wrapper
