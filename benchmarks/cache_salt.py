@@ -13,8 +13,8 @@ ratio salted over unsalted: the price of a cache miss on a shared prefix.
 The first user of a round misses on both and is left out of the latency.
 The servers run one after the other, same flags but the salt.
 
-Not wired into ``make bench`` yet: ``python -m benchmarks.cache_salt
-[--quick]`` prints the results as JSON.
+``make bench``'s ``cache_salt`` section; alone: ``PYTHONPATH=tests:. python
+-m benchmarks.cache_salt [--quick]`` prints the results as JSON.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any
 from benchmarks import (
     accuracy,
     admission,
+    cache_salt,
     checkout,
     fair_shares,
     isolation,
@@ -56,6 +57,7 @@ SECTIONS: dict[str, Measure] = {
     "speculative": speculative.run,
     "fair_shares": fair_shares.run,
     "admission": admission.run,
+    "cache_salt": cache_salt.run,
 }
 ON_SERVERS: dict[str, Callable[[ServerPool, bool], dict[str, Any]]] = {
     "isolation": isolation.isolation,

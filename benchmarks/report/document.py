@@ -20,6 +20,7 @@ from typing import Any
 from benchmarks.report import (
     accuracy,
     admission,
+    cache_salt,
     fair_shares,
     history,
     isolation,
@@ -39,6 +40,7 @@ SECTIONS: dict[str, ModuleType] = {
     "speculative": speculative,
     "fair_shares": fair_shares,
     "admission": admission,
+    "cache_salt": cache_salt,
 }
 
 
