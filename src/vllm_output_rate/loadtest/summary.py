@@ -35,7 +35,10 @@ class RequestRecord:
 
     Times are seconds since the run started (``time.monotonic()`` based).
     ``chunks`` holds ``(arrival_time, tokens_in_chunk)`` for every streamed
-    chunk that carried at least one token.
+    chunk that carried at least one token.  ``engine_metrics``: the
+    per-request timings a server started with vLLM's
+    ``--enable-per-request-metrics`` puts on the final usage chunk
+    (``queue_time_ms``, ``time_to_first_token_ms``, ``generation_time_ms``...).
     """
 
     user: str | None
@@ -48,6 +51,7 @@ class RequestRecord:
     usage_completion_tokens: int | None = None
     status: int | None = None
     error: str | None = None
+    engine_metrics: dict[str, Any] | None = None
 
     @property
     def tokens(self) -> int:
