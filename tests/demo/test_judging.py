@@ -13,6 +13,7 @@ from vllm_output_rate.demo.figures import EngineView, Outcomes, run_figures
 from vllm_output_rate.demo.judging import (
     AT_LIMIT,
     SceneResult,
+    headline,
     judge_scene,
     too_busy,
 )
@@ -186,6 +187,13 @@ class TestJudging:
         )
         hog = judge_scene(SCENE, STOCK, refused)[1]
         assert hog.good and not hog.breaks and "9 requests refused" in hog.text
+
+    def test_the_headline_says_whether_every_scene_kept_its_promise(self) -> None:
+        good = SceneResult.judge(SCENE, STOCK, LIMITED)
+        assert headline([good, good]).startswith("In each of the 2 scenes, the light")
+        assert headline([good]).startswith("In this scene,")
+        bad = SceneResult.judge(SCENE, LIMITED, STOCK)  # the runs swapped
+        assert headline([good, bad]) == "Not as promised in 1 of 2 scenes: Test scarce."
 
     def test_too_busy_names_the_busiest_run(self) -> None:
         quiet, busy = (

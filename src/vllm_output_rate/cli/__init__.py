@@ -12,7 +12,7 @@ add a line to ``build_parser``.
           --users 'user-a:4,user-b:1' --limits 'user-a:20,user-b:100' \\
           --max-tokens 200 --duration 30 --json out.json --plot out.png
 
-- ``demo``: the noisy-neighbour demo (stock vLLM, then with limits).
+- ``demo``: a light user beside a hog on a scarce engine (stock vLLM, then limits).
 - ``hash-key``: the digest of an API key for ``--output-rate-api-keys``.
 - ``top``: a live table of every user with traffic, from the admin endpoint.
 

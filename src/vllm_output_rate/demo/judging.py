@@ -147,3 +147,17 @@ class SceneResult:
     @property
     def breaks(self) -> bool:
         return any(v.breaks for v in self.verdicts)
+
+
+def headline(results: list[SceneResult]) -> str:
+    """The demo's conclusion in one sentence."""
+    where = f"each of the {len(results)} scenes" if len(results) > 1 else "this scene"
+    lost = [r.scene.title for r in results if not all(v.good for v in r.verdicts)]
+    if not lost:
+        return (
+            f"In {where}, the light user came out better with limits, the "
+            "throttled user got its limit, and no request failed."
+        )
+    return (
+        f"Not as promised in {len(lost)} of {len(results)} scenes: {', '.join(lost)}."
+    )

@@ -98,29 +98,29 @@ class Scene:
 
 # One light user: a single stream of short answers, arriving once the
 # scarce resource is taken (2 s in), far below its limit (the default).
-LIGHT = DemoUser("light", "light", streams=1, max_tokens=50, start_after_s=2.0)
+LIGHT = DemoUser("light", "light", streams=1, max_tokens=30, start_after_s=2.0)
 
 SCENES: tuple[Scene, ...] = (
     Scene(
         key="kv-blocks",
         title="KV blocks scarce",
-        # A KV cache of 40 blocks of 32 tokens (1,280 tokens): the hog's 16
-        # requests of ~260 tokens need three times that. Resident slots are
-        # plenty (vLLM's default), so KV blocks are what runs out.
+        # A KV cache of 40 blocks of 32 tokens: room for about 13 of the
+        # hog's requests (~100 tokens each, the prompt's first block shared).
+        # Resident slots are plenty (vLLM's default): KV blocks run out.
         server_args=("--block-size", "32", "--num-gpu-blocks-override", "40"),
         users=(
             LIGHT,
-            DemoUser("hog", "throttled", streams=16, max_tokens=200, limit=5),
+            DemoUser("hog", "throttled", streams=24, max_tokens=40, limit=5),
         ),
     ),
     Scene(
         key="resident-slots",
         title="Resident slots scarce",
-        # 8 resident slots, 24 hog streams: the hog holds every slot.
+        # 8 resident slots for the hog's 16 streams: it holds every slot.
         server_args=("--max-num-seqs", "8"),
         users=(
             LIGHT,
-            DemoUser("hog", "throttled", streams=24, max_tokens=60, limit=5),
+            DemoUser("hog", "throttled", streams=16, max_tokens=40, limit=5),
         ),
     ),
 )
