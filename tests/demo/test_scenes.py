@@ -47,6 +47,9 @@ def test_limits_come_from_the_users_or_the_default() -> None:
         "--default-user-output-tokens-per-second",
         "1000",
     ]
+    # The plugin's other flags (admission caps, prompt limits) join them.
+    capped = scene(LIGHT, limited_args=("--some-cap", "4"))
+    assert capped.limit_flags()[-2:] == ["--some-cap", "4"]
     assert s.with_role("throttled") == [HOG]
 
 

@@ -14,7 +14,8 @@ each user's role, which says what is judged (``judging.py``):
 A 429 answered to a user declared ``refusable`` is its own excess refused
 by design (per-user admission caps); any other failed request fails the
 demo. Adding a scene is adding one ``Scene(...)`` to ``SCENES``; with
-limits, every user not given a limit of its own gets ``default_limit``.
+limits, every user not given a limit of its own gets ``default_limit``, and
+``limited_args`` adds the plugin's other flags (caps, prompt limits).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Scene:
     users: tuple[DemoUser, ...]
     default_limit: float = 1000.0  # tok/s for users without a limit of their own
     duration_s: float = 15.0
+    limited_args: tuple[str, ...] = ()  # the plugin's other flags, with limits only
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9-]*", self.key):
@@ -90,7 +92,7 @@ class Scene:
         flags = ["--default-user-output-tokens-per-second", f"{self.default_limit:g}"]
         if own:
             flags += ["--user-output-tokens-per-second", json.dumps(own)]
-        return flags
+        return flags + list(self.limited_args)
 
     def with_role(self, role: Role) -> list[DemoUser]:
         return [u for u in self.users if u.role == role]
