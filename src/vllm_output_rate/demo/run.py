@@ -33,7 +33,7 @@ from vllm_output_rate.demo.figures import RunFigures, run_figures
 from vllm_output_rate.demo.judging import SceneResult, headline, too_busy
 from vllm_output_rate.demo.scenes import SCENES, Scene, scene_by_key
 from vllm_output_rate.demo.server import ServerStartError
-from vllm_output_rate.demo.stage import Played, Servers, ServerSpec, play
+from vllm_output_rate.demo.stage import DemoError, Played, Servers, ServerSpec, play
 from vllm_output_rate.demo.tiny_model import build_tiny_model
 
 # Scenes whose servers start together: two scenes, four servers, ~8 GB.
@@ -43,10 +43,6 @@ SCENES_PER_START = 2
 # 23 M-parameter variant's steps of several ms make the engine the bottleneck,
 # as a real model on a GPU is.
 MODEL_VARIANT = "small"
-
-
-class DemoError(RuntimeError):
-    """Nothing to judge: a server did not start, the stats could not be read."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,10 @@ READY = "ready"
 ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"  # integration/http_plugin.py
 
 
+class DemoError(RuntimeError):
+    """Nothing to judge: the admin API or the plugin's stats failed."""
+
+
 @dataclass
 class ServerSpec:
     scene: Scene
@@ -179,9 +183,12 @@ def lift_limits(scene: Scene, url: str, admin_key: str) -> None:
         "user_output_tokens_per_second": {u.name: LIFTED for u in scene.users},
     }
     headers = {"Authorization": f"Bearer {admin_key}"}
-    httpx.put(
-        url + LIMITS_PATH, json=body, headers=headers, timeout=60
-    ).raise_for_status()
+    try:
+        httpx.put(
+            url + LIMITS_PATH, json=body, headers=headers, timeout=60
+        ).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise DemoError(f"could not lift the limits after the run: {exc}") from exc
 
 
 def _drive(
