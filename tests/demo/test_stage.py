@@ -120,7 +120,7 @@ def test_a_server_spec_says_what_each_run_gets() -> None:
     s = scene("a", "--max-num-seqs", "4")
     stock, limited = ServerSpec.for_scene(s, False), ServerSpec.for_scene(s, True)
     assert stock.args == ["--max-num-seqs", "4", *COMMON_ARGS]
-    assert stock.env == {} and not stock.admin_key
+    assert stock.env == {"VLLM_PLUGINS": ""} and not stock.admin_key
     assert limited.args == [*stock.args, *s.limit_flags()]
     assert limited.env["VLLM_PLUGINS"] == "output_rate,output_rate_http"
 

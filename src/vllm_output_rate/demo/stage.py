@@ -62,7 +62,8 @@ class ServerSpec:
     def for_scene(cls, scene: Scene, limited: bool) -> ServerSpec:
         args = [*scene.server_args, *COMMON_ARGS]
         if not limited:
-            return cls(scene, False, args)
+            # Stock vLLM: none of the plugin's parts loaded, not even idle.
+            return cls(scene, False, args, {"VLLM_PLUGINS": ""})
         key = secrets.token_urlsafe(16)
         env = {"VLLM_PLUGINS": "output_rate,output_rate_http", ADMIN_KEY_ENV: key}
         return cls(scene, True, args + scene.limit_flags(), env, key)
