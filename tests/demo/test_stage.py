@@ -5,6 +5,7 @@ against the scripted OpenAI server (harness.fake_openai_server)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -101,6 +102,21 @@ def server_pid(url: str) -> int:
             if FAKE_SERVER.encode() in cmdline and port.encode() in cmdline:
                 return int(entry.name)
     raise LookupError(url)
+
+
+@pytest.mark.usefixtures("fake_vllm")
+def test_a_server_stopped_from_outside_is_named(tmp_path: Path) -> None:
+    a = scene("a", "ok")
+    specs = [ServerSpec.for_scene(a, lim) for lim in (False, True)]
+    with Servers("m", specs, tmp_path) as servers:
+        assert servers.stopped() == []
+        url, _ = servers.url(a, True)
+        os.killpg(server_pid(url), signal.SIGTERM)  # as another program might
+        deadline = time.monotonic() + 10
+        while not servers.stopped() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (line,) = servers.stopped()
+        assert line.startswith("the with limits server of a stopped (exit -15;")
 
 
 @pytest.mark.usefixtures("fake_vllm")

@@ -16,7 +16,8 @@ is shown as refused by design). It draws the chart (``chart.py``), keeps the
 raw results and server logs in ``results/demo/``, and says in plain words
 when other programs took too much of the machine for the figures to mean
 much (``busy.py``). Exit code 1 only when a request failed, a bound broke,
-a server did not start or the plugin's stats could not be read.
+a server did not start or stopped under it, or the plugin's stats could
+not be read.
 """
 
 from __future__ import annotations
@@ -132,6 +133,24 @@ def play_scene(out: Path, model: str, scene: Scene, servers: Servers) -> SceneRe
     return SceneResult.judge(scene, figures[False], figures[True])
 
 
+def _play_or_explain(
+    out: Path, model: str, scene: Scene, servers: Servers
+) -> SceneResult:
+    """``play_scene``; when it fails because a server stopped under it (some
+    other program stopped it), say so rather than what the client saw."""
+    try:
+        return play_scene(out, model, scene, servers)
+    except Exception as exc:
+        stopped = servers.stopped()
+        if not stopped:
+            raise
+        raise DemoError(
+            "a vLLM server stopped during the demo, so nothing can be judged: "
+            + "; ".join(stopped)
+            + ". Was it stopped from outside? Run the demo again."
+        ) from exc
+
+
 def batches(scenes: Sequence[Scene]) -> list[list[Scene]]:
     return [
         list(scenes[i : i + SCENES_PER_START])
@@ -164,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 ready = time.monotonic() - began
                 print(f"   ready, {ready:.0f} s since the start", flush=True)
                 for scene in batch:
-                    results.append(play_scene(args.out, model, scene, servers))
+                    results.append(_play_or_explain(args.out, model, scene, servers))
     except KeyboardInterrupt:
         print("\ninterrupted: servers stopped", file=sys.stderr)
         return 130

@@ -34,7 +34,7 @@ from vllm_output_rate.demo.busy import OthersCpu
 from vllm_output_rate.demo.engine_view import EngineWatch
 from vllm_output_rate.demo.figures import EngineView
 from vllm_output_rate.demo.scenes import DemoUser, Scene
-from vllm_output_rate.demo.server import running_server
+from vllm_output_rate.demo.server import RunningServer, running_server
 from vllm_output_rate.loadtest import LoadResult, LoadSpec, UserLoad, run_load_sync
 
 # Both runs: vLLM's own per-request timings, the engine's side of each answer.
@@ -73,7 +73,7 @@ class ServerThread(threading.Thread):
     def __init__(self, model: str, spec: ServerSpec, log_dir: Path) -> None:
         super().__init__(daemon=True, name=f"server-{spec.scene.key}")
         self.model, self.spec, self.log_dir = model, spec, log_dir
-        self.url: str | None = None
+        self.url: RunningServer | None = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -128,6 +128,19 @@ class Servers:
             t.done.set()
         for t in self.threads:
             t.join()
+
+    def stopped(self) -> list[str]:
+        """The servers that stopped while in use (from outside the demo: it
+        stops them only on exit), one line each, for the error message."""
+        lines = []
+        for t in self.threads:
+            if t.url is not None and t.url.process.poll() is not None:
+                side = "with limits" if t.spec.limited else "stock vLLM"
+                lines.append(
+                    f"the {side} server of {t.spec.scene.title} stopped (exit "
+                    f"{t.url.process.returncode}; log: {t.url.log_path})"
+                )
+        return lines
 
     def url(self, scene: Scene, limited: bool) -> tuple[str, ServerSpec]:
         for t in self.threads:
