@@ -1,54 +1,44 @@
-"""The demo's chart from real result objects: every user drawn, the file
-written (its numbers are checked where they are computed)."""
+"""The demo's chart from real judged results: one row per scene, the file
+written as a PNG (its numbers are checked where they are computed), with a
+missing figure drawn as n/a rather than failing."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from harness.demo_figures import LIMITED, SCENE, STOCK
 from vllm_output_rate.demo.chart import plot_demo
-from vllm_output_rate.demo.engine_view import EngineWatch, Reading
-from vllm_output_rate.loadtest import (
-    LoadResult,
-    LoadSpec,
-    RequestRecord,
-    UserLoad,
-)
+from vllm_output_rate.demo.judging import SceneResult
 
 
-def result(limits: dict[str | None, float | None], rate: int) -> LoadResult:
-    users = [UserLoad(name, 1, limit) for name, limit in limits.items()]
-    spec = LoadSpec(base_url="http://x", model="m", users=users, duration_s=3)
-    records = [
-        RequestRecord(
-            user=u.name,
-            stream=0,
-            start_s=0.0,
-            end_s=3.0,
-            first_token_s=0.1,
-            chunks=[(0.1 + k / rate, 1) for k in range(3 * rate)],
-            finish_reason="length",
-            usage_completion_tokens=3 * rate,
-            status=200,
-        )
-        for u in users
-    ]
-    return LoadResult.build(spec, records, elapsed_s=3.0)
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def test_the_chart_is_written_with_every_user(tmp_path: Path) -> None:
-    stock = result({"a": None, None: None}, 50)
-    limited = result({"a": 20.0, None: 10.0}, 20)
-    engine = EngineWatch("http://unused", "key")
-    engine.readings = [
-        Reading(100.0 + t / 2, {"a": 10 * t, "__anonymous__": 5 * t}) for t in range(7)
-    ]
+def test_one_row_per_scene(tmp_path: Path) -> None:
+    one = plot_demo([SceneResult.judge(SCENE, STOCK, LIMITED)], tmp_path / "one.png")
+    two = plot_demo(
+        [SceneResult.judge(SCENE, STOCK, LIMITED)] * 2, tmp_path / "two.png"
+    )
+    (w1, h1), (w2, h2) = png_size(one), png_size(two)
+    assert w1 == w2 == 1300
+    assert h2 > 1.7 * h1
+    assert two.stat().st_size > 30_000
+
+
+def test_a_missing_figure_or_a_scene_without_others_still_draws(tmp_path: Path) -> None:
+    users = dict(STOCK.users)
+    users["light"] = dataclasses.replace(users["light"], ttft_engine_s=None)
+    stock = dataclasses.replace(STOCK, users=users)
+    alone = dataclasses.replace(SCENE, users=SCENE.users[:1])
     path = plot_demo(
-        stock,
-        limited,
-        engine,
-        100.0,
-        {"a": "a", "(anonymous)": "__anonymous__"},
+        [
+            SceneResult.judge(SCENE, stock, LIMITED),
+            SceneResult.judge(alone, STOCK, LIMITED),
+        ],
         tmp_path / "demo.png",
     )
-    assert path.stat().st_size > 10_000
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_size(path)[0] == 1300

@@ -6,7 +6,8 @@ its ``path`` and its ``authorization`` header, None when absent).
 The model named in a request picks its script:
 
 - ``ok``: one token per chunk, then a usage chunk and ``[DONE]``;
-- ``multi``: three tokens per chunk;
+- ``multi``: three tokens per chunk, and per-request timings beside the
+  usage (``ENGINE_METRICS``, as vLLM's ``--enable-per-request-metrics``);
 - ``bad``: HTTP 400 with an OpenAI error body;
 - ``limited``: HTTP 429 with ``retry-after-ms: 150`` and ``retry-after: 1``;
 - ``cut``: the connection closes after two chunks, without a finish_reason;
@@ -49,6 +50,7 @@ SEPARATOR_TEXT = (
     "".join(f"{c}{ch}" for c, ch in zip("abcdefgh", UNICODE_LINE_BREAKS, strict=True))
     + "i"
 )
+ENGINE_METRICS = {"queue_time_ms": 1.5, "time_to_first_token_ms": 2.0}
 
 
 class _Server(ThreadingHTTPServer):
@@ -120,7 +122,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._event({"choices": [choice]})
             time.sleep(0.02 if model == "slow" else 0.002)
         usage = n + 1 if model == "miscount" else n
-        self._event({"choices": [], "usage": {"completion_tokens": usage}})
+        final: dict[str, Any] = {"choices": [], "usage": {"completion_tokens": usage}}
+        if model == "multi":
+            final["metrics"] = ENGINE_METRICS
+        self._event(final)
         self.wfile.write(b"data: [DONE]\n\n")
 
     def _event(self, payload: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from harness.fake_openai_server import SEPARATOR_TEXT
+from harness.fake_openai_server import ENGINE_METRICS, SEPARATOR_TEXT
 from harness.load_records import PNG_MAGIC
 from vllm_output_rate.loadtest.client import (
     LoadError,
@@ -59,6 +59,7 @@ class TestClientAgainstFakeServer:
             assert [n for _, n in r.chunks] == [3, 3, 3, 1]
             assert r.finish_reason == "length" and r.status == 200
             assert r.start_s < spec.duration_s  # never started after the deadline
+            assert r.engine_metrics == ENGINE_METRICS
         a = result.user("a")
         assert a.tokens_client == a.tokens_server == 10 * a.requests_completed
         assert {r.stream for r in result.records if r.user == "a"} == {0, 1}

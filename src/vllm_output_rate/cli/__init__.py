@@ -8,7 +8,7 @@ add a line to ``build_parser``.
 - ``load`` (alias ``bench``): drive a running vLLM OpenAI server with
   per-user load and report the measured per-user output rates (an example:
   docs/operations.md, "Measuring a deployment: the load tool");
-- ``demo``: the noisy-neighbour demo (stock vLLM, then with limits);
+- ``demo``: a light user beside a hog on a scarce engine (stock vLLM, then limits);
 - ``hash-key``: the digest of an API key for ``--output-rate-api-keys``;
 - ``top``: a live table of every user with traffic, from the admin endpoint.
 

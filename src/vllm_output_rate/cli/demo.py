@@ -1,4 +1,4 @@
-"""``vllm-output-rate demo``: the noisy-neighbour demo (``demo/run.py``)."""
+"""``vllm-output-rate demo``: the scarce-engine demo (``demo/run.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 from vllm_output_rate.demo import run as demo_run
 
-HELP = "noisy-neighbour demo: the same load on stock vLLM, then with limits"
+HELP = "demo: a light user beside a hog on a scarce engine, stock vLLM vs limits"
 
 
 def add_parser(

@@ -1,134 +1,141 @@
-"""The demo's picture: the noisy-neighbour effect at a glance.
+"""The demo's picture: one figure, one row per scene, stock vLLM vs limits.
 
-Three panels sharing the users' colours:
+Per scene (a row of three panels, grey for stock vLLM, green with limits):
 
-1. each user's delivered tok/s, stock (client view: stock vLLM has no
-   per-user count of its own) beside limited (the engine's count), with each
-   limit marked;
-2. stock vLLM over time, per user (client view, 1-second bins);
-3. with limits over time: the engine's rate per user between the plugin's
-   stats readings (solid), the client's 1-second bins (dotted), each limit
-   dashed.
+1. the light user's time to first token, p50, on a log scale, at the engine
+   and at the client;
+2. the light user's rate (tokens per second of request time), at the engine
+   and at the client;
+3. the other users' rate on a log scale: on stock at the client (stock vLLM
+   has no per-user count), with limits at the engine; each limit drawn as a
+   red line.
+
+Every bar carries its value, so the figure can be pasted into a slide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from vllm_output_rate.demo.engine_view import EngineWatch
-from vllm_output_rate.loadtest import LoadResult
+from vllm_output_rate.demo.judging import SceneResult
+
+STOCK, LIMITS, LIMIT_LINE = "0.65", "#2a9d55", "#c0392b"
+WIDTH = 0.38
 
 
-def plot_demo(
-    stock: LoadResult,
-    limited: LoadResult,
-    engine: EngineWatch,
-    engine_start_s: float,
-    engine_users: Mapping[str, str],
-    path: Path,
-) -> Path:
-    """``engine_users`` maps each summary label to the engine's user name."""
+def _label(value: float | None, unit: str) -> str:
+    if value is None:
+        return ""
+    return f"{value:,.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
+
+
+def _bars(
+    ax: Any,
+    groups: Sequence[str],
+    stock: Sequence[float | None],
+    limits: Sequence[float | None],
+    unit: str,
+) -> None:
+    xs = range(len(groups))
+    for offset, values, colour, name in (
+        (-WIDTH / 2, stock, STOCK, "stock vLLM"),
+        (WIDTH / 2, limits, LIMITS, "with limits"),
+    ):
+        heights = [v or 0.0 for v in values]
+        bars = ax.bar(
+            [x + offset for x in xs], heights, WIDTH, color=colour, label=name
+        )
+        ax.bar_label(bars, [_label(v, unit) for v in values], fontsize="small")
+        for x, value in zip(xs, values, strict=True):
+            if value is None:  # no bar to label (none at all on a log scale)
+                ax.annotate(
+                    "n/a",
+                    (x + offset, 0.02),
+                    xycoords=("data", "axes fraction"),
+                    ha="center",
+                    fontsize="small",
+                )
+    ax.set_xticks(list(xs), groups)
+    ax.margins(y=0.25)
+
+
+def _light_panels(ttft_ax: Any, rate_ax: Any, result: SceneResult) -> None:
+    light = next(u.name for u in result.scene.users if u.role == "light")
+    before, after = result.stock.users[light], result.limited.users[light]
+    groups = ["at the engine", "at the client"]
+    ms = [
+        None if v is None else 1000 * v
+        for v in (
+            before.ttft_engine_s,
+            before.ttft_client_s,
+            after.ttft_engine_s,
+            after.ttft_client_s,
+        )
+    ]
+    _bars(ttft_ax, groups, ms[:2], ms[2:], " ms")
+    ttft_ax.set_yscale("log")
+    ttft_ax.set_ylabel("ms")
+    _bars(
+        rate_ax,
+        groups,
+        [before.rate_engine, before.rate_client],
+        [after.rate_engine, after.rate_client],
+        "",
+    )
+    rate_ax.set_ylim(bottom=0)
+    rate_ax.set_ylabel("tok/s")
+
+
+def _others_panel(ax: Any, result: SceneResult) -> None:
+    names = [u.name for u in result.scene.users if u.role != "light"]
+    if not names:
+        ax.set_axis_off()
+        return
+    stock = [result.stock.users[n].rate_client for n in names]
+    limits = [result.limited.users[n].rate_engine for n in names]
+    _bars(ax, names, stock, limits, "")
+    ax.set_yscale("log")
+    for x, name in enumerate(names):
+        limit = result.limited.users[name].limit
+        if limit is not None:
+            ax.hlines(limit, x - WIDTH, x + WIDTH, colors=LIMIT_LINE, linestyles="--")
+            ax.annotate(
+                f"limit {limit:g}",
+                (x - WIDTH, limit),
+                xytext=(2, -12),
+                textcoords="offset points",
+                color=LIMIT_LINE,
+                fontsize="small",
+            )
+    ax.set_ylabel("tok/s (stock: client; limits: engine)")
+
+
+def plot_demo(results: Sequence[SceneResult], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(18, 5), layout="constrained")
+    fig = Figure(figsize=(13, 0.5 + 3.6 * len(results)), layout="constrained")
     FigureCanvasAgg(fig)
-    bars, before, after = fig.subplots(
-        1, 3, gridspec_kw={"width_ratios": [1, 1.3, 1.3]}
-    )
-    labels = [u.label for u in limited.users]
-    colours = {label: f"C{i}" for i, label in enumerate(labels)}
-
-    # One y scale for all three, fitted to the data: a limit far above every
-    # rate (user-b's) is written at the top instead of flattening the rest.
-    peak = max(
-        [v for r in (stock, limited) for u in r.users for v in u.series_tok_s],
-        default=1.0,
-    )
-    shown = {
-        u.label: u.limit
-        for u in limited.users
-        if u.limit is not None and u.limit <= 1.5 * peak
-    }
-    top = 1.1 * max([peak, *shown.values()])
-
-    # 1. Delivered tok/s per user, before and after.
-    stock_rates = [stock.user(u.name).rate_tok_s or 0.0 for u in limited.users]
-    window = (engine_start_s, engine_start_s + limited.spec.duration_s)
-    engine_rates = [
-        engine.rate(engine_users[u.label], *window) or 0.0 for u in limited.users
-    ]
-    xs = range(len(labels))
-    bars.bar([x - 0.2 for x in xs], stock_rates, 0.4, color="0.75", label="stock vLLM")
-    bars.bar(
-        [x + 0.2 for x in xs],
-        engine_rates,
-        0.4,
-        color=[colours[label] for label in labels],
-        label="with limits (engine)",
-    )
-    for x, u in zip(xs, limited.users, strict=True):
-        if u.label in shown:
-            bars.hlines(u.limit, x - 0.05, x + 0.45, colors="black", linewidth=2)
-        elif u.limit is not None:
-            bars.annotate(
-                f"limit {u.limit:g} ↑",
-                (x + 0.2, top),
-                xytext=(0, -12),
-                textcoords="offset points",
-                ha="center",
-                fontsize="small",
-            )
-    bars.set_xticks(list(xs), labels, rotation=20)
-    bars.set_ylabel("output tok/s per user")
-    bars.set_ylim(0, top)
-    bars.set_title("Delivered rate (black: the limit)")
-    bars.legend(fontsize="small", loc="upper right")
-
-    # 2. and 3. Over time.
-    for ax, result, title in (
-        (before, stock, "Stock vLLM, per user (client view)"),
-        (
-            after,
-            limited,
-            "With limits: engine (solid), client (dotted), limit (--)",
-        ),
-    ):
-        for u in result.users:
-            colour = colours[u.label]
-            xs_client = [k * result.bin_s for k in range(len(u.series_tok_s))]
-            ax.step(
-                xs_client,
-                u.series_tok_s,
-                where="post",
-                color=colour,
-                linestyle=":" if result is limited else "-",
-                linewidth=1 if result is limited else 1.5,
-                label=f"{u.label} (client)" if result is limited else u.label,
-            )
-            if result is limited:
-                times, rates = engine.series(engine_users[u.label], engine_start_s)
-                ax.step(
-                    times,
-                    rates,
-                    where="post",
-                    color=colour,
-                    linewidth=2,
-                    label=f"{u.label} (engine)",
-                )
-                if u.label in shown:
-                    ax.axhline(u.limit, color=colour, linestyle="--", linewidth=1)
-        ax.set_title(title)
-        ax.set_xlabel("time since the load started (s)")
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0, top=top)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=2)
-    before.set_ylabel("output tok/s (client: 1 s bins)")
+    rows = fig.subfigures(len(results), 1, squeeze=False)[:, 0]
+    for row, result in zip(rows, results, strict=True):
+        ttft_ax, rate_ax, others_ax = row.subplots(1, 3)
+        _light_panels(ttft_ax, rate_ax, result)
+        _others_panel(others_ax, result)
+        flags = " ".join(result.scene.server_args)
+        row.suptitle(f"{result.scene.title}   ({flags})", fontweight="bold")
+        ttft_ax.set_title("light user: first token, p50 (log)", fontsize="medium")
+        rate_ax.set_title("light user: tok/s while asking", fontsize="medium")
+        others = ", ".join(u.name for u in result.scene.users if u.role != "light")
+        others_ax.set_title(f"{others}: tok/s (log), limit dashed", fontsize="medium")
+        for ax in (ttft_ax, rate_ax, others_ax):
+            ax.grid(True, axis="y", alpha=0.3)
+        rate_ax.legend(loc="upper left", fontsize="small")
     fig.suptitle(
-        "Noisy neighbour: the same load on stock vLLM and with per-user limits"
+        "A light user beside a hog on a scarce engine: stock vLLM vs per-user limits",
+        fontsize="x-large",
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=100)
     return path

@@ -1,150 +1,49 @@
-"""The noisy-neighbour demo: the same load on stock vLLM, then with limits.
+"""The demo: a scarce engine, a light user hurt on stock vLLM, whole with limits.
 
-``make demo`` (or ``vllm-output-rate demo``) builds the tiny local model if
-needed, starts a real vLLM OpenAI server on 127.0.0.1 twice, drives the same
-multi-user streaming load against each, and prints a table per run. For the
-limited run it also shows what the engine did, as an operator would see it:
-each user's rate from the plugin's stats endpoint, read every half second
-while the load runs (exact engine counts, no HTTP buffering), and the
-engine-side time to first token from its metrics; the bound is judged on
-those counts. The chart (``demo.png``) puts both side by side with the limits
-drawn. Servers are always shut down, Ctrl-C included. Exit code 1 only for
-failed requests or a bound the engine broke.
+``make demo`` (or ``vllm-output-rate demo``) plays each scene of
+``scenes.py`` twice on a small local model: on stock vLLM, then with
+per-user limits, the same flags and load otherwise. In each scene something
+is scarce (KV blocks, resident slots), a hog's many streams take it, and a
+light user asks for short answers. The servers of two scenes start together
+(``stage.py``); each run is measured at the engine (vLLM's per-request
+timings; with limits, the plugin's stats) and at the client (``figures.py``).
+
+It prints a line per run, then per scene a table (``table.py``), one line
+per user, each figure as stock -> with limits, and the verdicts
+(``judging.py``): the light user better with limits, the throttled user at
+its limit, nobody's request failed (a 429 to a refusable user's own excess
+is shown as refused by design). It draws the chart (``chart.py``), keeps the
+raw results and server logs in ``results/demo/``, and says in plain words
+when other programs took too much of the machine for the figures to mean
+much (``busy.py``). Exit code 1 only when a request failed, a bound broke,
+a server did not start or stopped under it, or the plugin's stats could
+not be read.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import dataclasses
 import json
-import secrets
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
-from vllm_output_rate.config import ANONYMOUS_USER
-from vllm_output_rate.demo.engine_view import EngineWatch, first_token_quantiles
-from vllm_output_rate.demo.server import running_server
+from vllm_output_rate.demo.figures import RunFigures, run_figures
+from vllm_output_rate.demo.judging import SceneResult, headline, too_busy
+from vllm_output_rate.demo.scenes import SCENES, Scene, scene_by_key
+from vllm_output_rate.demo.server import ServerStartError
+from vllm_output_rate.demo.stage import DemoError, Played, Servers, ServerSpec, play
 from vllm_output_rate.demo.tiny_model import build_tiny_model
-from vllm_output_rate.loadtest import CAVEAT, LoadResult, LoadSpec, UserLoad
-from vllm_output_rate.loadtest import run_load_sync as run_load
 
-# user name (None: anonymous), streams, limit in tok/s
-DEMO_USERS: list[tuple[str | None, int, float]] = [
-    ("user-a", 4, 20),  # a heavy user, capped low
-    ("user-b", 1, 1000),  # a light user: one stream, far below its limit
-    ("user-c", 8, 200),  # the noisy neighbour: many streams
-    (None, 1, 50),  # no output_rate_user: the shared anonymous budget
-]
-DEFAULT_LIMIT = 50
-SERVER_ARGS = ["--max-num-seqs", "32", "--max-num-active-seqs", "16"]
-# A first start on a cold, busy machine has taken over 2 minutes.
-START_TIMEOUT_S = 600.0
-
-
-def engine_name(user: str | None) -> str:
-    return ANONYMOUS_USER if user is None else user
-
-
-def limit_flags() -> list[str]:
-    named = {name: limit for name, _, limit in DEMO_USERS if name is not None}
-    return [
-        "--default-user-output-tokens-per-second",
-        str(DEFAULT_LIMIT),
-        "--user-output-tokens-per-second",
-        json.dumps(named),
-    ]
-
-
-class EngineRun:
-    """The limited run's engine-side view (see engine_view.py)."""
-
-    def __init__(self, watch: EngineWatch, start_s: float, metrics: str) -> None:
-        self.watch = watch
-        self.start_s = start_s
-        self.first_token = first_token_quantiles(metrics)
-
-
-def run_once(
-    model: str, flags: list[str], duration_s: float, max_tokens: int, limited: bool
-) -> tuple[LoadResult, EngineRun | None]:
-    users = [
-        UserLoad(name, streams, limit if limited else None)
-        for name, streams, limit in DEMO_USERS
-    ]
-    label = "with per-user limits" if limited else "stock vLLM, no limits"
-    admin_key = secrets.token_urlsafe(16)
-    env = (
-        {
-            "VLLM_PLUGINS": "output_rate,output_rate_http",
-            "VLLM_OUTPUT_RATE_ADMIN_KEY": admin_key,
-        }
-        if limited
-        else None
-    )
-    print(f"\n== {label}: starting the server ...", flush=True)
-    with running_server(
-        model, SERVER_ARGS + flags, env=env, start_timeout_s=START_TIMEOUT_S
-    ) as url:
-        print(f"== {label}: {duration_s:g} s of load at {url}", flush=True)
-        spec = LoadSpec(
-            base_url=url,
-            model=model,
-            users=users,
-            max_tokens=max_tokens,
-            duration_s=duration_s,
-        )
-        if not limited:
-            return run_load(spec), None
-        with EngineWatch(url, admin_key) as watch:
-            start_s = time.monotonic()  # the engine's clock too
-            result = run_load(spec)
-        time.sleep(1.5)  # the metrics are polled from the engine once a second
-        metrics = httpx.get(url + "/metrics", timeout=30).text
-        return result, EngineRun(watch, start_s, metrics)
-
-
-def format_engine_table(result: LoadResult, engine: EngineRun) -> str:
-    """Per user: what the engine dispatched, beside what the client saw."""
-    table = Table(
-        title="What the engine did (the plugin's stats and metrics)",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-    )
-    for name in ("user", "limit tok/s", "engine tok/s (load)", "client tok/s"):
-        table.add_column(name, justify="left" if name == "user" else "right")
-    table.add_column("engine TTFT p50 / p95 ms", justify="right")
-    table.add_column("bound held (engine)", justify="center")
-    window = (engine.start_s, engine.start_s + result.spec.duration_s)
-    for u in result.users:
-        name = engine_name(u.name)
-        p50, p95 = engine.first_token.get(name, [None, None])
-        held = None if u.limit is None else engine.watch.bound_held(name, u.limit)
-        table.add_row(
-            u.label,
-            "none" if u.limit is None else f"{u.limit:g}",
-            _num(engine.watch.rate(name, *window)),
-            _num(u.rate_tok_s),
-            f"{_ms(p50)} / {_ms(p95)}",
-            "n.a." if held is None else ("yes" if held else "NO"),
-        )
-    buffer = io.StringIO()
-    Console(file=buffer, width=120, color_system=None, highlight=False).print(table)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{1000 * value:,.0f}"
+# Scenes whose servers start together: two scenes, four servers, ~8 GB.
+SCENES_PER_START = 2
+# The tiny model's 2 ms steps make vLLM's HTTP front end, not the engine, the
+# bottleneck on a 2-core machine: nothing at the engine is scarce then. The
+# 23 M-parameter variant's steps of several ms make the engine the bottleneck,
+# as a real model on a GPU is.
+MODEL_VARIANT = "small"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,73 +53,169 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--duration", type=float, default=20, help="seconds per run")
-    parser.add_argument("--max-tokens", type=int, default=50)
+    parser.add_argument(
+        "--scene",
+        action="append",
+        choices=[s.key for s in SCENES],
+        help="play only this scene (repeatable; default: all)",
+    )
     parser.add_argument(
         "--out", type=Path, default=Path("results/demo"), help="folder for outputs"
     )
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.0f} ms"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f} tok/s"
+
+
+def describe(scene: Scene, figures: RunFigures) -> str:
+    """One line per run, printed as it ends."""
+    side = "with limits" if figures.limited else "stock vLLM "
+    parts = []
+    for name, f in figures.users.items():
+        if f.role == "light":
+            parts.append(
+                f"{name}: first token {_ms(f.ttft_engine_s)} engine / "
+                f"{_ms(f.ttft_client_s)} client, {_rate(f.rate_client)}"
+            )
+        else:
+            parts.append(f"{name}: {_rate(f.rate_engine or f.rate_client)}")
+    busy = (
+        ""
+        if figures.others_cores is None
+        else f" [others: {figures.others_cores:.1f} cores]"
+    )
+    return f"   {scene.title}, {side}: " + "; ".join(parts) + busy
+
+
+def introduce(scene: Scene) -> str:
+    """The scene in two lines, printed before anything runs."""
+    users = "; ".join(
+        f"{u.name} ({u.role}): {u.streams} stream{'s' if u.streams > 1 else ''} of "
+        f"{u.max_tokens} tokens, limit {scene.limit(u):g} tok/s"
+        for u in scene.users
+    )
+    return f"{scene.title}: {' '.join(scene.server_args)}\n   {users}"
+
+
+def save(out: Path, scene: Scene, side: str, played: Played) -> None:
+    folder = out / scene.key / side
+    for name, result in played.results.items():
+        result.write_json(folder / f"{name}.json")
+    if played.engine is not None:
+        readings = [dataclasses.asdict(r) for r in played.engine.watch.readings]
+        (folder / "engine.json").write_text(
+            json.dumps(
+                {
+                    "window_s": [played.engine.start_s, played.engine.end_s],
+                    "readings": readings,
+                }
+            )
+        )
+
+
+def play_scene(out: Path, model: str, scene: Scene, servers: Servers) -> SceneResult:
+    figures = {}
+    for limited in (False, True):
+        url, spec = servers.url(scene, limited)
+        played = play(scene, url, model, spec)
+        save(out, scene, "limits" if limited else "stock", played)
+        if played.engine is not None and len(played.engine.watch.readings) < 2:
+            raise DemoError("the plugin's stats endpoint could not be read")
+        f = run_figures(scene, played.results, played.engine)
+        f.others_cores, f.others_share = played.others.cores, played.others.share
+        print(describe(scene, f), flush=True)
+        figures[limited] = f
+    return SceneResult.judge(scene, figures[False], figures[True])
+
+
+def _play_or_explain(
+    out: Path, model: str, scene: Scene, servers: Servers
+) -> SceneResult:
+    """``play_scene``; when it fails because a server stopped under it (some
+    other program stopped it), say so rather than what the client saw."""
+    try:
+        return play_scene(out, model, scene, servers)
+    except Exception as exc:
+        stopped = servers.stopped()
+        if not stopped:
+            raise
+        raise DemoError(
+            "a vLLM server stopped during the demo, so nothing can be judged: "
+            + "; ".join(stopped)
+            + ". Was it stopped from outside? Run the demo again."
+        ) from exc
+
+
+def batches(scenes: Sequence[Scene]) -> list[list[Scene]]:
+    return [
+        list(scenes[i : i + SCENES_PER_START])
+        for i in range(0, len(scenes), SCENES_PER_START)
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     from vllm_output_rate.demo.chart import plot_demo
-    from vllm_output_rate.loadtest.report import format_table
+    from vllm_output_rate.demo.table import format_table
 
-    model = str(build_tiny_model())
-    print(f"model: {model} (tiny random-weight Llama, built locally)")
+    began = time.monotonic()
+    scenes = [scene_by_key(k) for k in args.scene] if args.scene else list(SCENES)
+    model = str(build_tiny_model(variant=MODEL_VARIANT))
+    print(f"model: {model} (a small random-weight Llama, built locally)")
+    print("Each scene runs on stock vLLM, then with per-user limits:")
+    for scene in scenes:
+        print(f"- {introduce(scene)}")
+    results: list[SceneResult] = []
     try:
-        stock, _ = run_once(model, [], args.duration, args.max_tokens, limited=False)
-        limited, engine = run_once(
-            model, limit_flags(), args.duration, args.max_tokens, limited=True
-        )
+        for batch in batches(scenes):
+            specs = [
+                ServerSpec.for_scene(s, lim) for s in batch for lim in (False, True)
+            ]
+            print(
+                f"\nstarting {len(specs)} vLLM servers (stock and with limits) ...",
+                flush=True,
+            )
+            with Servers(model, specs, args.out) as servers:
+                ready = time.monotonic() - began
+                print(f"   ready, {ready:.0f} s since the start", flush=True)
+                for scene in batch:
+                    results.append(_play_or_explain(args.out, model, scene, servers))
     except KeyboardInterrupt:
         print("\ninterrupted: servers stopped", file=sys.stderr)
         return 130
-    assert engine is not None
+    except (DemoError, ServerStartError) as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
     print()
-    print(format_table(stock, title="Stock vLLM (no limits)"))
+    print(format_table(results))
     print()
-    print(format_table(limited, title="With vllm-output-rate (client view)"))
-    print()
-    print(format_engine_table(limited, engine))
-    print()
-    print(CAVEAT)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stock.write_json(args.out / "stock.json")
-    limited.write_json(args.out / "limited.json")
-    (args.out / "engine.json").write_text(
-        json.dumps(
-            {
-                "start_s": engine.start_s,
-                "readings": [vars(r) for r in engine.watch.readings],
-                "first_token_p50_p95_s": engine.first_token,
-            },
-            indent=1,
-        )
+    for result in results:
+        for verdict in result.verdicts:
+            print(f"{result.scene.title}, {verdict.user}: {verdict.text}")
+    print(f"\n{headline(results)}")
+    busy = too_busy(
+        {
+            f"the {side} run of {r.scene.title}": figures
+            for r in results
+            for side, figures in (("stock", r.stock), ("limited", r.limited))
+        }
     )
-    chart = plot_demo(
-        stock,
-        limited,
-        engine.watch,
-        engine.start_s,
-        {u.label: engine_name(u.name) for u in limited.users},
-        args.out / "demo.png",
+    if busy:
+        print(f"\n{busy}")
+    (args.out / "summary.json").write_text(
+        json.dumps([dataclasses.asdict(r) for r in results], indent=1)
     )
-    print(f"\nwrote {chart} and the raw results in {args.out}/")
-    problems = [
-        f"{u.label}: the engine exceeded the bound"
-        for u in limited.users
-        if u.limit is not None
-        and not engine.watch.bound_held(engine_name(u.name), u.limit)
-    ] + [
-        f"{len(r.failed_requests)} failed requests: {'; '.join(r.error_summary())}"
-        for r in (stock, limited)
-        if not r.ok
-    ]
-    if len(engine.watch.readings) < 2:
-        problems.append("the plugin's stats endpoint could not be read")
-    for problem in problems:
-        print(f"demo: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    chart = plot_demo(results, args.out / "demo.png")
+    took = time.monotonic() - began
+    print(f"\nwrote {chart} and the raw results in {args.out}/ ({took:.0f} s)")
+    broken = [v for r in results for v in r.verdicts if v.breaks]
+    for verdict in broken:
+        print(f"demo: {verdict.user}: {verdict.text}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

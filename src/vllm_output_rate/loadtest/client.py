@@ -196,6 +196,10 @@ class _Run:
                 tokens = usage.get("completion_tokens")
                 if isinstance(tokens, int):
                     record.usage_completion_tokens = tokens
+                # vLLM's --enable-per-request-metrics: the engine's timings.
+                metrics = payload.get("metrics")
+                if isinstance(metrics, dict):
+                    record.engine_metrics = metrics
             for choice in payload.get("choices") or []:
                 record.add_chunk(t, count_chunk_tokens(choice, endpoint))
                 if choice.get("finish_reason") is not None:

@@ -35,7 +35,10 @@ class RequestRecord:
 
     Times are seconds since the run started (``time.monotonic()`` based).
     ``chunks`` holds ``(arrival_time, tokens_in_chunk)`` for every streamed
-    chunk that carried at least one token.
+    chunk that carried at least one token.  ``engine_metrics``: the
+    per-request timings a server started with vLLM's
+    ``--enable-per-request-metrics`` puts on the final usage chunk
+    (``queue_time_ms``, ``time_to_first_token_ms``, ``generation_time_ms``...).
     """
 
     user: str | None
@@ -50,6 +53,7 @@ class RequestRecord:
     error: str | None = None
     # A 429's Retry-After (retry-after-ms, else retry-after), in seconds.
     retry_after_s: float | None = None
+    engine_metrics: dict[str, Any] | None = None
 
     @property
     def rejected(self) -> bool:

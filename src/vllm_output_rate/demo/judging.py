@@ -1,0 +1,163 @@
+"""What the demo concludes from a scene's two runs, in plain words.
+
+``judge_scene`` gives one ``Verdict`` per user (pure, from ``figures.py``):
+
+* light: *better with limits* when, with limits, its time to first token
+  (p50) is lower and its rate higher, at the engine and at the client;
+* throttled: *at its limit* when its engine rate over the window is at least
+  ``AT_LIMIT`` of its limit; the bound, checked at the engine on every pair
+  of the plugin's stats readings, must hold for every user with a limit;
+* everyone: no failed request in either run. A 429 to a refusable user is
+  its own excess refused by design: counted and shown, never a failure.
+
+``Verdict.breaks`` (a failed request, a broken bound) is what makes the demo
+exit 1; the rest is reported, never fatal: on a busy machine a light user
+may lose by luck, and ``too_busy`` says when the figures mean little.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from vllm_output_rate.demo.figures import RunFigures, UserFigures
+from vllm_output_rate.demo.scenes import Scene
+
+AT_LIMIT = 0.9  # engine rate / limit, at least, for "at its limit"
+# Other programs using more than this share of the machine's cores during a
+# run: the servers lacked CPU and the figures mean little (busy.py).
+BUSY_SHARE = 0.5
+
+
+@dataclass
+class Verdict:
+    user: str
+    good: bool  # what the scene promises for this user held
+    short: str  # a word or two, for the table
+    text: str  # the whole verdict, in plain words
+    breaks: bool = False  # a failed request or a broken bound: exit 1
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.0f} ms"
+
+
+def light_verdict(stock: UserFigures, limited: UserFigures) -> tuple[bool, str, str]:
+    checks = [
+        ("first token at the engine", stock.ttft_engine_s, limited.ttft_engine_s, -1),
+        ("first token at the client", stock.ttft_client_s, limited.ttft_client_s, -1),
+        ("rate at the engine", stock.rate_engine, limited.rate_engine, 1),
+        ("rate at the client", stock.rate_client, limited.rate_client, 1),
+    ]
+    worse = [
+        name
+        for name, before, after, sign in checks
+        if before is None or after is None or sign * (after - before) <= 0
+    ]
+    if worse:
+        return False, "NOT better", "NOT better with limits: " + ", ".join(worse)
+    return (
+        True,
+        "better",
+        (
+            f"better with limits: first token {_ms(limited.ttft_engine_s)} "
+            f"instead of {_ms(stock.ttft_engine_s)} at the engine"
+        ),
+    )
+
+
+def throttled_verdict(limited: UserFigures) -> tuple[bool, str, str]:
+    if limited.limit is None or limited.rate_engine is None:
+        return False, "no engine rate", "its rate at the engine could not be read"
+    ratio = limited.rate_engine / limited.limit
+    if ratio >= AT_LIMIT:
+        return True, "at its limit", f"at its limit ({ratio:.2f}x at the engine)"
+    return False, "below limit", f"below its limit ({ratio:.2f}x at the engine)"
+
+
+def _failures(label: str, user: UserFigures) -> str:
+    counts = Counter(user.outcomes.failed).most_common(3)
+    detail = "; ".join(f"{n} x {text}" for text, n in counts)
+    return f"{len(user.outcomes.failed)} requests FAILED {label}: {detail}"
+
+
+def judge_user(
+    scene: Scene, name: str, stock: RunFigures, limited: RunFigures
+) -> Verdict:
+    user = next(u for u in scene.users if u.name == name)
+    before, after = stock.users[name], limited.users[name]
+    good, short, text = True, "shown", "shown only"
+    if user.role == "light":
+        good, short, text = light_verdict(before, after)
+    elif user.role == "throttled":
+        good, short, text = throttled_verdict(after)
+    notes = [text]
+    breaks = False
+    if after.bound_held is False:
+        good, breaks, short = False, True, "BOUND BROKEN"
+        notes.append("the engine BROKE THE BOUND")
+    for label, figures in (("on stock vLLM", before), ("with limits", after)):
+        if figures.outcomes.failed:
+            good, breaks, short = False, True, "FAILED"
+            notes.append(_failures(label, figures))
+    refused = before.outcomes.refused + after.outcomes.refused
+    if refused:
+        notes.append(f"{refused} requests refused (429: its own excess, by design)")
+    return Verdict(name, good, short, "; ".join(notes), breaks)
+
+
+def judge_scene(scene: Scene, stock: RunFigures, limited: RunFigures) -> list[Verdict]:
+    """One verdict per user of ``scene``, in its order."""
+    return [judge_user(scene, u.name, stock, limited) for u in scene.users]
+
+
+def too_busy(runs: dict[str, RunFigures]) -> str | None:
+    """Plain words when other programs took more than ``BUSY_SHARE`` of the
+    machine during a run (``runs``: label -> figures); None when they did
+    not, or when it could not be measured."""
+    busy = {
+        label: run
+        for label, run in runs.items()
+        if run.others_share is not None and run.others_share > BUSY_SHARE
+    }
+    if not busy:
+        return None
+    worst_label, worst = max(busy.items(), key=lambda kv: kv[1].others_share or 0)
+    return (
+        f"The machine was too busy for these figures to mean much: other "
+        f"programs kept {worst.others_cores:.1f} cores busy during {worst_label} "
+        f"({len(busy)} of {len(runs)} runs above {BUSY_SHARE:.0%} of the "
+        f"machine). Run the demo again when the machine is quieter."
+    )
+
+
+@dataclass
+class SceneResult:
+    """A scene's two runs and what they mean: what the table and chart show."""
+
+    scene: Scene
+    stock: RunFigures
+    limited: RunFigures
+    verdicts: list[Verdict]
+
+    @classmethod
+    def judge(cls, scene: Scene, stock: RunFigures, limited: RunFigures) -> SceneResult:
+        return cls(scene, stock, limited, judge_scene(scene, stock, limited))
+
+    @property
+    def breaks(self) -> bool:
+        return any(v.breaks for v in self.verdicts)
+
+
+def headline(results: list[SceneResult]) -> str:
+    """The demo's conclusion in one sentence."""
+    where = f"each of the {len(results)} scenes" if len(results) > 1 else "this scene"
+    lost = [r.scene.title for r in results if not all(v.good for v in r.verdicts)]
+    if not lost:
+        return (
+            f"In {where}, the light user came out better with limits, the "
+            "throttled user got its limit, and no request failed."
+        )
+    return (
+        f"Not as promised in {len(lost)} of {len(results)} scenes: {', '.join(lost)}."
+    )
