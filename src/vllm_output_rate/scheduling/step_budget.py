@@ -120,7 +120,12 @@ class StepBudget:
         out of token budget). Returns the earliest clock reading at which a
         user refused in this step may sample again, or None if none was.
         """
-        if undispatched or any(self._remaining.values()):
+        if (undispatched or any(self._remaining.values())) and not (
+            # The refunds would change nothing (users far below their
+            # limits): skip building them, one per user with tokens left.
+            undispatched.keys() <= self._reserved.keys()
+            and self.limiter.refunds_absorbed(self._reserved.keys())
+        ):
             remaining = self._remaining
             self.limiter.refund_many(
                 {
