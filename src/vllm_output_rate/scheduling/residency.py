@@ -130,6 +130,10 @@ class StepSlots:
             self.wanted[user] = wanted - 1
             self.outstanding -= 1
 
+    def grants_left(self) -> int:
+        """Active slots granted by rank and not yet taken."""
+        return sum(self.granted.values()) if self.granted else 0
+
     def left_waiting(self) -> list[str]:
         """Claimants still waiting for a slot (after the step's admissions)."""
         return [user for user, n in self.wanted.items() if n]

@@ -23,18 +23,23 @@ settings); ``Shortcuts`` adds three layers (why each pays: docs/architecture.md,
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
+from itertools import filterfalse, repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.request import Request
 
-from vllm_output_rate.scheduling import kv_room
+from vllm_output_rate.scheduling import kv_room, planning
 from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, last_served_of, user_of
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
-from vllm_output_rate.scheduling.planning import NOTHING
 from vllm_output_rate.scheduling.step import StepMode
 from vllm_output_rate.seams import (
+    chunks_follow_request_counts,
     inflight_prefills,
+    input_token_budget,
     num_free_kv_blocks,
     num_kv_cache_groups,
     passed_over_next_step,
@@ -45,13 +50,14 @@ if TYPE_CHECKING:
     from vllm_output_rate.scheduling.step import Step
 
 Charges = tuple[Mapping[str, int], Mapping[str, int]]
+_is_prefill_chunk = attrgetter("is_prefill_chunk")
 
 
 class StepLayers(Protocol):
     # Whether ``end_step`` leaves the settling to a later entry point.
     settles_beside_model: bool
 
-    def plan(self, policy: OutputRatePolicy, step: Step) -> bool:
+    def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         """Plan ``step`` in place of the reference, if a layer can; False
         leaves it to the reference (``planning.py``)."""
         ...
@@ -73,7 +79,7 @@ class ReferenceStep:
 
     settles_beside_model = False
 
-    def plan(self, policy: OutputRatePolicy, step: Step) -> bool:
+    def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         return False
 
     def charges(self, policy: OutputRatePolicy, step: Step) -> Charges | None:
@@ -97,7 +103,7 @@ class Shortcuts:
     def forget(self) -> None:
         self.kept = None
 
-    def plan(self, policy: OutputRatePolicy, step: Step) -> bool:
+    def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         if step.mode is StepMode.UNCONTESTED:
             self.kept = None
             step.vllm_hook = True
@@ -105,7 +111,10 @@ class Shortcuts:
         kept = self.kept
         if kept is None or not self._may_keep(policy, step, kept):
             self.kept = None
-            return False
+            planning.plan_contested(policy, step, crowded)
+            self._end_scan_with_grants(policy, step)
+            step.vllm_hook = self._set_aside_deferred(policy, step)
+            return True
         step.mode = StepMode.KEPT
         # Every active slot stays with its request: no waiting request may
         # take one, so vLLM's waiting scan ends at once.
@@ -162,8 +171,77 @@ class Shortcuts:
             return False
         running, cap = host.running, step.active_cap
         if len(running) > cap:
-            step.set_aside = running[cap:]
+            step.set_aside, step.batch = running[cap:], cap
             del running[cap:]
+        return True
+
+    def _end_scan_with_grants(self, policy: OutputRatePolicy, step: Step) -> None:
+        """End vLLM's waiting scan once the slots granted by rank are taken.
+
+        When everyone is covered and the ranking granted the waiting
+        requests' slots (FCFS), ``Step.admit_waiting`` refuses every other
+        waiting request, so the rest of the scan would only skip them (in
+        order: the queue ends as it would). Skipped requests are noted by
+        vLLM (its count of skipped waiting requests, a grammar or remote KV
+        found ready) only when the scan reaches them, as in a kept step.
+        """
+        slots = step.slots
+        if (
+            slots is None
+            or slots.granted is None
+            or step.admission_closed
+            or not step.budget.covers_demand
+            or policy.host.policy != SchedulingPolicy.FCFS
+        ):
+            return
+        if slots.grants_left():
+            step.close_after_grants = True
+        else:
+            step.close_admission()
+
+    def _set_aside_deferred(self, policy: OutputRatePolicy, step: Step) -> bool:
+        """Whether a ranked step's deferred requests are set aside, off
+        ``running`` for vLLM's step, with vLLM's own hook in place of ours.
+
+        Our hook would serve the first ``running_cap`` running requests (the
+        ranking's picks, each decoding one token) and defer every other,
+        raising the admission bar by one for each. So when nobody can be
+        refused, and no chunk can be passed over, cut short or fail:
+        everyone covered, FCFS, plain accounts known at dispatch (no drafts,
+        no late outputs), no prefill in flight, a free KV block for each
+        pick in each group beyond ``kv_room.margin`` (vLLM would preempt the
+        last request of ``running``), token and input budgets beyond the
+        picks (so that our hook would have reached every deferred request),
+        and, while waiting requests may be admitted, chunks not sized by
+        request counts and no adapter limit (both read ``running``), the
+        deferred requests go aside and the bar is lowered by what they
+        would have raised it. ``Step.undo`` puts them back behind the picks.
+        """
+        host, cap = policy.host, step.running_cap
+        running = host.running
+        if (
+            step.ranking is None
+            or not 0 < cap < len(running)
+            or not step.budget.covers_demand
+            or host.policy != SchedulingPolicy.FCFS
+            or not policy.accounting.charges_known_at_dispatch
+            or policy.late_outputs
+            or inflight_prefills(host)
+            or host.max_num_scheduled_tokens <= cap
+            or input_token_budget(host) <= cap
+            or num_free_kv_blocks(host)
+            < kv_room.margin(host) + cap * num_kv_cache_groups(host)
+        ):
+            return False
+        if not step.admission_closed:
+            if chunks_follow_request_counts(host) or policy.modes.max_loras:
+                return False
+            deferred = len(running) - cap
+            host.max_num_active_reqs = min(
+                step.active_cap, host.max_num_running_reqs - deferred
+            )
+        step.set_aside, step.batch = running[cap:], cap
+        del running[cap:]
         return True
 
     def charges(self, policy: OutputRatePolicy, step: Step) -> Charges | None:
@@ -184,16 +262,20 @@ class Shortcuts:
             self._logger.warning(
                 "A step dispatched more tokens than it reserved: %s", served
             )
-        if step.mode is StepMode.KEPT:
-            # What our hook would have noted: each request of the batch was
-            # served (it sampled), the ones set aside were deferred.
+        if step.mode is not StepMode.UNCONTESTED:
+            # What our hook would have noted: each request that sampled was
+            # served (its turn), each of the batch took an active slot, the
+            # ones set aside were deferred.
             scheduled = step.output.num_scheduled_tokens
-            requests = host.requests
-            for request_id in scheduled:
-                setattr(requests[request_id], LAST_SERVED_ATTR, step.number)
-            step.active = len(scheduled)
+            sampled: Iterable[Request] = map(host.requests.__getitem__, scheduled)
+            if inflight_prefills(host):
+                sampled = filterfalse(_is_prefill_chunk, sampled)
+            deque(
+                map(setattr, sampled, repeat(LAST_SERVED_ATTR), repeat(step.number)), 0
+            )
+            step.active = len(scheduled) - step.admitted
             step.deferred_users.update(map(user_of, step.set_aside))
-        return served, NOTHING
+        return served, planning.NOTHING
 
     def settled(self, policy: OutputRatePolicy, step: Step) -> None:
         self.kept = self._batch_to_keep(policy, step)
