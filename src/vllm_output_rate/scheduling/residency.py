@@ -130,6 +130,15 @@ class StepSlots:
             self.wanted[user] = wanted - 1
             self.outstanding -= 1
 
+    def may_give(self) -> bool:
+        """Whether some user holds resident requests its budget cannot feed
+        and claims none: only those can be taken back (rule 1)."""
+        reserved, wanted = self.reserved, self.wanted
+        return any(
+            count > reserved.get(user, 0) and not wanted.get(user)
+            for user, count in self.resident.items()
+        )
+
     def grants_left(self) -> int:
         """Active slots granted by rank and not yet taken."""
         return sum(self.granted.values()) if self.granted else 0
@@ -185,15 +194,18 @@ class Residency:
         reserved: Mapping[str, int],
         feed_cap: Callable[[str], int],
         max_resident: int,
+        *,
+        resident: Mapping[str, int] | None = None,
     ) -> StepSlots:
         """Count the step's residency and note who claims (rules 1 and 2).
 
         ``reserved`` maps users to the tokens they may sample in the step;
         ``feed_cap(user)`` is how many resident requests the user's rate can
         feed (rule 2's cap under contention); ``max_resident`` is
-        ``--max-num-seqs``.
+        ``--max-num-seqs``; ``resident``, if given, is ``running`` counted
+        per user.
         """
-        resident = Counter(map(user_of, running))
+        resident = Counter(resident or map(user_of, running))
         wanted = {}
         for user, count in unfinished.items():
             waiting = count - resident[user]

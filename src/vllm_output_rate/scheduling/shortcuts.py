@@ -35,6 +35,7 @@ from vllm.v1.request import Request
 from vllm_output_rate.scheduling import kv_room, planning
 from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, last_served_of, user_of
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
+from vllm_output_rate.scheduling.rotations import Rotations
 from vllm_output_rate.scheduling.step import StepMode
 from vllm_output_rate.seams import (
     chunks_follow_request_counts,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 Charges = tuple[Mapping[str, int], Mapping[str, int]]
 _is_prefill_chunk = attrgetter("is_prefill_chunk")
+_request_id = attrgetter("request_id")
 
 
 class StepLayers(Protocol):
@@ -99,9 +101,15 @@ class Shortcuts:
         self._logger = logger
         # The batch the next step may keep (None: rank again).
         self.kept: KeptBatch | None = None
+        # Each user's requests in rotation, and the last step they ranked.
+        self.rotations: Rotations[Request] = Rotations(
+            user_of, last_served_of, _request_id
+        )
+        self._rotated = -1
 
     def forget(self) -> None:
         self.kept = None
+        self.rotations.forget()
 
     def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         if step.mode is StepMode.UNCONTESTED:
@@ -111,7 +119,17 @@ class Shortcuts:
         kept = self.kept
         if kept is None or not self._may_keep(policy, step, kept):
             self.kept = None
-            planning.plan_contested(policy, step, crowded)
+            host = policy.host
+            resumed = self.rotations.resume(
+                step.number, host.running, host.finished_req_ids
+            )
+            planning.plan_contested(
+                policy,
+                step,
+                crowded,
+                order=self._order_running,
+                resident=self.rotations.resident() if resumed else None,
+            )
             self._end_scan_with_grants(policy, step)
             step.vllm_hook = self._set_aside_deferred(policy, step)
             return True
@@ -174,6 +192,40 @@ class Shortcuts:
             step.set_aside, step.batch = running[cap:], cap
             del running[cap:]
         return True
+
+    def _order_running(self, policy: OutputRatePolicy, step: Step) -> None:
+        """``planning.order_running``, by the rotations where they rank the
+        same: every user covered (no request goes last for lack of budget),
+        FCFS, no floor (its credit grows with time), more running and
+        claimed requests than active slots (``ordering.share_slots``)."""
+        host, fair, slots = policy.host, policy.fair, step.slots
+        waiting = slots.wanted if slots is not None else planning.NOTHING
+        active = min(step.active_cap, host.max_num_running_reqs)
+        if (
+            not step.budget.covers_demand
+            or host.policy != SchedulingPolicy.FCFS
+            or (
+                fair.floors
+                and not fair.floors.keys().isdisjoint(policy.demand.unfinished)
+            )
+            or len(host.running) + sum(waiting.values()) <= active
+        ):
+            planning.order_running(policy, step)
+            return
+        ranking = step.ranking = self.rotations.rank(
+            step=step.number,
+            running=host.running,
+            waiting=waiting,
+            slots=active,
+            room=slots.free if slots is not None else 0,
+            fair=fair,
+            user_last_served=policy.user_last_served,
+        )
+        if slots is not None and waiting:
+            slots.granted = ranking.granted
+            step.running_cap = active - sum(ranking.granted.values())
+        host.running[:] = ranking.order
+        self._rotated = step.number
 
     def _end_scan_with_grants(self, policy: OutputRatePolicy, step: Step) -> None:
         """End vLLM's waiting scan once the slots granted by rank are taken.
@@ -274,11 +326,28 @@ class Shortcuts:
                 map(setattr, sampled, repeat(LAST_SERVED_ATTR), repeat(step.number)), 0
             )
             step.active = len(scheduled) - step.admitted
-            step.deferred_users.update(map(user_of, step.set_aside))
+            if self._rotated == step.number:
+                step.deferred_users.update(self.rotations.deferred_users)
+            else:
+                step.deferred_users.update(map(user_of, step.set_aside))
         return served, planning.NOTHING
 
     def settled(self, policy: OutputRatePolicy, step: Step) -> None:
         self.kept = self._batch_to_keep(policy, step)
+        output = step.output
+        assert output is not None
+        if self._rotated == step.number or step.mode is StepMode.KEPT:
+            host = policy.host
+            self.rotations.settled(
+                step.number,
+                host.running,
+                output.num_scheduled_tokens,
+                preempted=bool(output.preempted_req_ids),
+                sampled_all=not inflight_prefills(host),
+                set_aside=bool(step.set_aside),
+            )
+        else:
+            self.rotations.forget()
 
     def _batch_to_keep(self, policy: OutputRatePolicy, step: Step) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
@@ -291,6 +360,12 @@ class Shortcuts:
         )
         assert output is not None
         kept = self.kept if step.mode is StepMode.KEPT else None
+        if (
+            kept is None
+            and self._rotated == step.number
+            and not self.rotations.detailed
+        ):
+            return None  # many users: ranking by the rotations costs what keeping does
         if (
             (kept is None and ranking is None)
             or host.policy == SchedulingPolicy.PRIORITY
