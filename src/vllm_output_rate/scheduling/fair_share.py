@@ -115,14 +115,12 @@ class FairShare:
         return self.level if own is None or own < self.level else own
 
     def services(self, users: Iterable[str]) -> list[float]:
-        """``service`` of each of ``users`` (C-level: no Python call each)."""
-        level = self.level
-        return list(
-            map(max, map(self._service.get, users, repeat(level)), repeat(level))
-        )
+        """``service`` of each of ``users`` (no Python call each)."""
+        get, level = self._service.get, self.level
+        return [own if (own := get(user, level)) > level else level for user in users]
 
     def weights_of(self, users: Iterable[str]) -> list[float]:
-        """``weight`` of each of ``users`` (C-level)."""
+        """``weight`` of each of ``users`` (no Python call each)."""
         return list(map(self.weights.get, users, repeat(DEFAULT_WEIGHT)))
 
     def credit(self, user: str) -> float:
