@@ -28,7 +28,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain, compress, filterfalse, repeat
-from operator import add, getitem, itemgetter, methodcaller, mul, not_, sub
+from operator import add, getitem, itemgetter, mul, not_
 from typing import Any, Generic, TypeVar
 
 from vllm_output_rate.scheduling.fair_share import TURN_TOKENS, FairShare
@@ -268,7 +268,12 @@ class Rotations(Generic[R]):
         self._touched = set()
         deque(map(self._tokens.pop, touched, repeat(None)), 0)  # out of the heaps
         rows = _Rows()
-        touched_users = [u for u in touched if u in queues or waiting.get(u)]
+        # In the last ranking's order first: their keys come out nearly
+        # sorted, which the sort then takes in about one pass.
+        ranked_first = dict.fromkeys(chain(self._layout.batch_users, touched))
+        touched_users = [
+            u for u in ranked_first if u in touched and (u in queues or waiting.get(u))
+        ]
         self._add_rows(rows, touched_users, waiting, step, fair, user_last_served)
         protected: dict[str, int] | None = None
         if max(rows.in_turn, default=0) > 1:
@@ -280,8 +285,8 @@ class Rotations(Generic[R]):
             )
         entries: list[Entry] = []
         heads: list[Entry] = []  # waiting users' first slots: ahead of all
-        hints = [n + 1 for n in map(self._taken.get, rows.users, repeat(0))]
-        _make(rows, range(len(rows.users)), hints, entries, heads)
+        taken_before = self._taken
+        _make(rows, [taken_before.get(u, 0) + 1 for u in rows.users], entries, heads)
         picked = _Scan(heads, entries, slots, room)
         # Untouched users, while one ranks ahead of the last slot handed out
         # (that slot only moves up as entries are added: one pass).
@@ -292,13 +297,13 @@ class Rotations(Generic[R]):
         if popped:
             first = len(rows.users)
             self._add_rows(rows, popped, {}, step, fair, user_last_served)
-            more = range(first, len(rows.users))
-            _make(rows, more, repeat(SPARE_ENTRIES), entries, heads)
+            targets = chain(rows.made[:first], repeat(SPARE_ENTRIES))
+            _make(rows, targets, entries, heads)
             picked = _Scan(heads, entries, slots, room)
         # A user all of whose entries so far were taken may take more.
-        while short := self._short(rows, picked):
-            counts = [rows.made[i] * 2 + 1 for i in short]
-            _make(rows, short, counts, entries, heads)
+        while short := set(self._short(rows, picked)):
+            targets = [n * 2 + 1 if i in short else n for i, n in enumerate(rows.made)]
+            _make(rows, targets, entries, heads)
             picked = _Scan(heads, entries, slots, room)
         return self._result(rows, picked, protected, slots, fair)
 
@@ -324,30 +329,33 @@ class Rotations(Generic[R]):
         user_last_served: Mapping[str, int],
     ) -> None:
         """Sort the users' queues for ``step`` and add their rows."""
-        sizes = list(map(len, map(self.queues.get, users, repeat(()))))
-        for user, size in zip(users, sizes, strict=True):
+        queues, served_of, waiting_of = self.queues, self._served, waiting.get
+        previous = step - 1
+        sizes, in_turn, available = [], [], []
+        for user in users:
+            size = len(queues.get(user, ()))
             if size > 1:
-                self._sort(user, step)
-        in_turn = list(
-            map(
-                methodcaller("count", step - 1),
-                map(self._served.get, users, repeat(())),
-            )
-        )
+                turn = self._sort(user, step)
+            else:  # served in the last step: in its turn
+                turn = int(size > 0 and served_of[user][0] == previous)
+            sizes.append(size)
+            in_turn.append(turn)
+            available.append(size + waiting_of(user, 0))
         rows.users += users
         rows.sizes += sizes
         rows.in_turn += in_turn
         rows.turns += in_turn
-        rows.available += map(add, sizes, map(waiting.get, users, repeat(0)))
+        rows.available += available
         rows.made += repeat(0, len(users))
         rows.counters += fair.services(users)
         rows.weights += fair.weights_of(users)
         rows.lasts += map(user_last_served.get, users, repeat(-1))
 
-    def _sort(self, user: str, step: int) -> None:
-        """``user``'s queue as ``share_slots`` sorts it: served in the last
+    def _sort(self, user: str, step: int) -> int:
+        """Sort ``user``'s queue as ``share_slots`` does: served in the last
         step (in turn) first, then least recently served, ties in running
-        order (the last step served is the latest any can have)."""
+        order (the last step served is the latest any can have). Returns
+        how many are in turn."""
         queue, served = self.queues[user], self._served[user]
         order = sorted(range(len(served)), key=served.__getitem__)
         in_turn = served.count(step - 1)
@@ -355,6 +363,7 @@ class Rotations(Generic[R]):
             order = order[-in_turn:] + order[:-in_turn]
         self.queues[user] = list(map(queue.__getitem__, order))
         self._served[user] = list(map(served.__getitem__, order))
+        return in_turn
 
     def _protected(self, rows: _Rows, slots: int, fair: FairShare) -> dict[str, int]:
         available = self.resident()
@@ -429,29 +438,28 @@ class Rotations(Generic[R]):
         """The ranking as ``share_slots`` returns it; the rows not picked to
         the heaps."""
         users, queues, level = rows.users, self.queues, fair.level
-        taken = list(map(picked.taken.get, users, repeat(0)))
-        runs = list(map(min, taken, rows.sizes))
-        # What is left of each picked user's queue (the others' whole).
-        cut: dict[str, Sequence[R]] = dict(zip(compress(users, runs), repeat(())))
-        for i in compress(
-            range(len(users)), map(mul, runs, map(sub, rows.sizes, runs))
-        ):
-            cut[users[i]] = queues[users[i]][runs[i] :]
+        taken_by, dropped = picked.taken, picked.dropped
+        top = self._top(level) if picked.last is not None else None
+        runs: list[int] = []
+        self._runs = {}
+        cut: dict[str, Sequence[R]] = {}  # what is left of the picked users'
+        unpicked = []
+        for i, (user, size) in enumerate(zip(users, rows.sizes, strict=True)):
+            taken = taken_by.get(user, 0)
+            n = taken if taken < size else size
+            runs.append(n)
+            if n:
+                self._runs[user] = n
+                cut[user] = queues[user][n:] if n < size else ()
+            elif not taken and user not in dropped:
+                unpicked.append(i)
+                if size:
+                    self._push(user, rows.counters[i], level, rows.lasts[i])
         order = self._user_order
         rests = list(map(cut.get, order, map(queues.__getitem__, order)))
-        dropped = picked.dropped
-        unpicked = [
-            i
-            for i in compress(range(len(users)), map(not_, taken))
-            if users[i] not in dropped
-        ]
-        top = self._top(level) if picked.last is not None else None
         for i in unpicked:
-            if rows.sizes[i]:
-                if rows.in_turn[i]:  # not served now: its turn passes
-                    self._rotate(users[i], rows.in_turn[i])
-                self._push(users[i], rows.counters[i], level, rows.lasts[i])
-        self._runs = dict(compress(zip(users, runs, strict=True), runs))
+            if rows.in_turn[i]:  # not served now: its turn passes (next step)
+                self._rotate(users[i], rows.in_turn[i])
         self._taken = picked.taken
         batch = list(map(getitem, map(queues.__getitem__, picked.users), picked.ks))
         # The deferred requests, by their users' first place in the list.
@@ -511,46 +519,53 @@ class Rotations(Generic[R]):
 
 
 def _make(
-    rows: _Rows,
-    which: Iterable[int],
-    counts: Iterable[int],
-    entries: list[Entry],
-    heads: list[Entry],
+    rows: _Rows, targets: Iterable[int], entries: list[Entry], heads: list[Entry]
 ) -> None:
-    """Add each row's entries up to its count (at most what it has
+    """Add each row's entries up to its target (at most what it has
     available): ``FairShare.key`` of its ``k``-th slot, ``counter + (k -
     turn) / weight``, with a turn for its first requests in turn. A waiting
     user's first slot goes to ``heads`` (it ranks ahead of every key)."""
-    made, available, sizes = rows.made, rows.available, rows.sizes
-    spans = []
-    for i, count in zip(which, counts, strict=False):  # counts may repeat
-        stop = min(count, available[i])
-        if stop > made[i]:
-            spans.append((i, made[i], stop))
-            made[i] = stop
-    counters, weights, lasts, users = (
+    made = rows.made
+    stops = [min(n, a) for n, a in zip(targets, rows.available, strict=False)]
+    stops += made[len(stops) :]  # rows without a target keep theirs
+    tokens = TURN_TOKENS
+    columns = zip(
         rows.counters,
         rows.weights,
         rows.lasts,
         rows.users,
+        rows.sizes,
+        rows.turns,
+        made,
+        stops,
+        strict=True,
     )
-    heads += [
-        (counters[i] + 0 / weights[i], lasts[i], users[i], 0, True)
-        for i, start, _ in spans
-        if not start and not sizes[i]
-    ]
-    turns, turn_tokens = rows.turns, TURN_TOKENS
     entries += [
         (
-            counters[i] + (k - (turn_tokens if k < turns[i] else 0)) / weights[i],
-            lasts[i],
-            users[i],
+            counter + (k - (tokens if k < turns else 0)) / weight,
+            last,
+            user,
             k,
-            k >= sizes[i],
+            k >= size,
         )
-        for i, start, stop in spans
-        for k in range(start or int(not sizes[i]), stop)
+        for counter, weight, last, user, size, turns, start, stop in columns
+        for k in range(start or (size == 0), stop)  # a waiting user's first: heads
     ]
+    heads += [
+        (counter + 0 / weight, last, user, 0, True)
+        for counter, weight, last, user, size, start, stop in zip(
+            rows.counters,
+            rows.weights,
+            rows.lasts,
+            rows.users,
+            rows.sizes,
+            made,
+            stops,
+            strict=True,
+        )
+        if not size and not start and stop
+    ]
+    rows.made = [max(start, stop) for start, stop in zip(made, stops, strict=True)]
 
 
 class _Scan:
