@@ -286,7 +286,8 @@ class Rotations(Generic[R]):
         entries: list[Entry] = []
         heads: list[Entry] = []  # waiting users' first slots: ahead of all
         taken_before = self._taken
-        _make(rows, [taken_before.get(u, 0) + 1 for u in rows.users], entries, heads)
+        hints = [taken_before.get(u, 0) + SPARE_ENTRIES for u in rows.users]
+        _make(rows, hints, entries, heads)
         picked = _Scan(heads, entries, slots, room)
         # Untouched users, while one ranks ahead of the last slot handed out
         # (that slot only moves up as entries are added: one pass).
@@ -357,8 +358,11 @@ class Rotations(Generic[R]):
         order (the last step served is the latest any can have). Returns
         how many are in turn."""
         queue, served = self.queues[user], self._served[user]
-        order = sorted(range(len(served)), key=served.__getitem__)
         in_turn = served.count(step - 1)
+        rest = served[in_turn:]
+        if served[:in_turn] == [step - 1] * in_turn and rest == sorted(rest):
+            return in_turn  # in that order already (the usual case)
+        order = sorted(range(len(served)), key=served.__getitem__)
         if in_turn:
             order = order[-in_turn:] + order[:-in_turn]
         self.queues[user] = list(map(queue.__getitem__, order))
