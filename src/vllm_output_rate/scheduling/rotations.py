@@ -23,25 +23,19 @@ ranks as ``share_slots`` does: docs/architecture.md, "Rotations".
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import chain, compress, filterfalse, repeat
-from operator import add, getitem, itemgetter, mul, not_
+from itertools import chain, compress, repeat
+from operator import add, getitem, mul, not_
 from typing import Any, Generic, TypeVar
 
-from vllm_output_rate.scheduling.fair_share import TURN_TOKENS, FairShare
+from vllm_output_rate.scheduling import slot_scan
+from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.ordering import SharedSlots, weighted_shares
+from vllm_output_rate.scheduling.slot_scan import Entry, Rows, Scan, make_entries
+from vllm_output_rate.scheduling.untouched import Untouched
 
 R = TypeVar("R")
-# A slot's rank as share_slots' heap orders it, less what entries here do
-# not differ in (in_queue: true but for a waiting user's first slot, kept
-# apart; the floor flag: no floors), then the slot's k and whether it is for
-# a waiting request: (counter + (k - turn) / weight, last served, user, k,
-# waiting). A user's k differ, so no two entries tie.
-Entry = tuple[float, int, str, int, bool]
-_user_of_entry, _k_of_entry, _is_grant = itemgetter(2), itemgetter(3), itemgetter(4)
 # Entries made at first for a user beyond the slots it took last time.
 SPARE_ENTRIES = 2
 # The ranking's details for kept_batch (last picks, next slots, rivals) are
@@ -80,21 +74,6 @@ class _Layout:
         return self.batch_users + deferred + self.admitted_users
 
 
-class _Rows:
-    """The users a step ranks, as parallel columns (one row per user)."""
-
-    def __init__(self) -> None:
-        self.users: list[str] = []
-        self.sizes: list[int] = []  # running requests
-        self.in_turn: list[int] = []  # of those, served in the last step
-        self.turns: list[int] = []  # of those, keeping their turn
-        self.available: list[int] = []  # slots it can use (running, claimed)
-        self.made: list[int] = []  # entries made so far
-        self.counters: list[float] = []  # FairShare.service
-        self.weights: list[float] = []
-        self.lasts: list[int] = []  # its last step served
-
-
 class Rotations(Generic[R]):
     def __init__(
         self,
@@ -115,12 +94,8 @@ class Rotations(Generic[R]):
         self._served: dict[str, Sequence[int]] = {}
         self._by_id: dict[str, R] = {}
         self._touched: set[str] = set()
-        # Untouched users by their first slot's rank: (last served, user,
-        # token) at the level, (counter, last served, user, token) above it.
-        self._at_level: list[tuple[int, str, int]] = []
-        self._above: list[tuple[float, int, str, int]] = []
-        self._tokens: dict[str, int] = {}
-        self._next_token = 0
+        # Users not picked and not touched since, by their first slot's key.
+        self._untouched = Untouched()
         # The running list the next step should find, as the last ranking
         # laid it out (the batch's users, the deferred requests by user, the
         # users admitted); that step's number, the step ``resume`` accepted
@@ -262,12 +237,12 @@ class Rotations(Generic[R]):
         if self._resumed != step:
             self._rebuild(running)
         level = fair.level
-        self._lift(level)
+        self._untouched.lift(level)
         queues = self.queues
         touched = self._touched.union(waiting)
         self._touched = set()
-        deque(map(self._tokens.pop, touched, repeat(None)), 0)  # out of the heaps
-        rows = _Rows()
+        self._untouched.discard(touched)
+        rows = Rows()
         # In the last ranking's order first: their keys come out nearly
         # sorted, which the sort then takes in about one pass.
         ranked_first = dict.fromkeys(chain(self._layout.batch_users, touched))
@@ -287,25 +262,24 @@ class Rotations(Generic[R]):
         heads: list[Entry] = []  # waiting users' first slots: ahead of all
         taken_before = self._taken
         hints = [taken_before.get(u, 0) + SPARE_ENTRIES for u in rows.users]
-        _make(rows, hints, entries, heads)
-        picked = _Scan(heads, entries, slots, room)
+        make_entries(rows, hints, entries, heads)
+        picked = Scan(heads, entries, slots, room)
         # Untouched users, while one ranks ahead of the last slot handed out
         # (that slot only moves up as entries are added: one pass).
         popped = []
-        while (top := self._top(level)) is not None and picked.behind(top):
-            popped.append(top[2])
-            self._pop_top()
+        while (top := self._untouched.top(level)) is not None and picked.behind(top):
+            popped.append(self._untouched.pop())
         if popped:
             first = len(rows.users)
             self._add_rows(rows, popped, {}, step, fair, user_last_served)
-            targets = chain(rows.made[:first], repeat(SPARE_ENTRIES))
-            _make(rows, targets, entries, heads)
-            picked = _Scan(heads, entries, slots, room)
+            spare = chain(rows.made[:first], repeat(SPARE_ENTRIES))
+            make_entries(rows, spare, entries, heads)
+            picked = Scan(heads, entries, slots, room)
         # A user all of whose entries so far were taken may take more.
-        while short := set(self._short(rows, picked)):
-            targets = [n * 2 + 1 if i in short else n for i, n in enumerate(rows.made)]
-            _make(rows, targets, entries, heads)
-            picked = _Scan(heads, entries, slots, room)
+        while more := set(slot_scan.short(rows, picked)):
+            doubled = [n * 2 + 1 if i in more else n for i, n in enumerate(rows.made)]
+            make_entries(rows, doubled, entries, heads)
+            picked = Scan(heads, entries, slots, room)
         return self._result(rows, picked, protected, slots, fair)
 
     def _rebuild(self, running: list[R]) -> None:
@@ -322,7 +296,7 @@ class Rotations(Generic[R]):
 
     def _add_rows(
         self,
-        rows: _Rows,
+        rows: Rows,
         users: list[str],
         waiting: Mapping[str, int],
         step: int,
@@ -369,72 +343,18 @@ class Rotations(Generic[R]):
         self._served[user] = list(map(served.__getitem__, order))
         return in_turn
 
-    def _protected(self, rows: _Rows, slots: int, fair: FairShare) -> dict[str, int]:
+    def _protected(self, rows: Rows, slots: int, fair: FairShare) -> dict[str, int]:
         available = self.resident()
         available.update(zip(rows.users, rows.available, strict=True))
         shares = weighted_shares(slots, available, fair.weight)
         return {user: math.ceil(share) for user, share in shares.items()}
 
-    def _short(self, rows: _Rows, picked: _Scan) -> list[int]:
-        """Rows all of whose entries were taken, with more slots available."""
-        taken, dropped = picked.taken, picked.dropped
-        return [
-            i
-            for i, (user, made) in enumerate(zip(rows.users, rows.made, strict=True))
-            if made < rows.available[i]
-            and taken.get(user, 0) >= made
-            and user not in dropped
-        ]
-
-    # ----- the heaps of untouched users --------------------------------------
-
-    def _push(self, user: str, counter: float, level: float, last_served: int) -> None:
-        token = self._tokens[user] = self._next_token
-        self._next_token += 1
-        if counter > level:
-            heapq.heappush(self._above, (counter, last_served, user, token))
-        else:
-            heapq.heappush(self._at_level, (last_served, user, token))
-
-    def _lift(self, level: float) -> None:
-        """Move the users the level has reached to the level's heap."""
-        above, tokens = self._above, self._tokens
-        while above and above[0][0] <= level:
-            _, last_served, user, token = heapq.heappop(above)
-            if tokens.get(user) == token:
-                heapq.heappush(self._at_level, (last_served, user, token))
-        if len(self._at_level) + len(above) > 2 * len(tokens) + 64:
-            self._at_level = [e for e in self._at_level if tokens.get(e[1]) == e[2]]
-            self._above = [e for e in above if tokens.get(e[2]) == e[3]]
-            heapq.heapify(self._at_level)
-            heapq.heapify(self._above)
-
-    def _top(self, level: float) -> tuple[float, int, str] | None:
-        """The best untouched user's first entry (as ``Entry[:3]``: no turn
-        counts for it, so its key is ``counter + 0 / weight``)."""
-        tokens, at_level, above = self._tokens, self._at_level, self._above
-        while at_level and tokens.get(at_level[0][1]) != at_level[0][2]:
-            heapq.heappop(at_level)
-        if at_level:
-            last_served, user, _ = at_level[0]
-            return (level + 0.0, last_served, user)
-        while above and tokens.get(above[0][2]) != above[0][3]:
-            heapq.heappop(above)
-        if above:
-            counter, last_served, user, _ = above[0]
-            return (counter + 0.0, last_served, user)
-        return None
-
-    def _pop_top(self) -> None:
-        heap: list[Any] = self._at_level if self._at_level else self._above
-        del self._tokens[heapq.heappop(heap)[-2]]
-
     # ----- the step's outcome -------------------------------------------------
 
     def _result(
         self,
-        rows: _Rows,
-        picked: _Scan,
+        rows: Rows,
+        picked: Scan,
         protected: Mapping[str, int] | None,
         slots: int,
         fair: FairShare,
@@ -443,7 +363,7 @@ class Rotations(Generic[R]):
         the heaps."""
         users, queues, level = rows.users, self.queues, fair.level
         taken_by, dropped = picked.taken, picked.dropped
-        top = self._top(level) if picked.last is not None else None
+        top = self._untouched.top(level) if picked.last is not None else None
         runs: list[int] = []
         self._runs = {}
         cut: dict[str, Sequence[R]] = {}  # what is left of the picked users'
@@ -458,7 +378,7 @@ class Rotations(Generic[R]):
             elif not taken and user not in dropped:
                 unpicked.append(i)
                 if size:
-                    self._push(user, rows.counters[i], level, rows.lasts[i])
+                    self._untouched.push(user, rows.counters[i], level, rows.lasts[i])
         order = self._user_order
         rests = list(map(cut.get, order, map(queues.__getitem__, order)))
         for i in unpicked:
@@ -477,139 +397,13 @@ class Rotations(Generic[R]):
         if self.detailed:
             if protected is None and max(runs, default=0) > 1:
                 protected = self._protected(rows, slots, fair)
-            details = self._details(rows, picked, runs, unpicked, top, protected)
+            details = slot_scan.details(
+                rows, picked, runs, unpicked, top, protected, self.queues
+            )
         return SharedSlots(batch + deferred, picked.granted, *details)
-
-    def _details(
-        self,
-        rows: _Rows,
-        picked: _Scan,
-        runs: list[int],
-        unpicked: list[int],
-        top: tuple[float, int, str] | None,
-        protected: Mapping[str, int] | None,
-    ) -> tuple[Any, Any, Any]:
-        """``SharedSlots``' last picks, next slots and rivals' best key."""
-        users = rows.users
-        row_of = dict(zip(users, range(len(users)), strict=True))
-        last_picks = {}
-        for user in dict.fromkeys(picked.users):  # in the order first picked
-            n = runs[row_of[user]]
-            limit = 1 if protected is None else protected.get(user, 0)
-            last_picks[user] = (n - 1, self.queues[user][:n], n <= limit)
-        if picked.last is None:
-            return last_picks, {}, None  # share_slots looks once slots run out
-        taken, dropped = picked.taken, picked.dropped
-        next_slots = {
-            user: taken[user]
-            for user, available in zip(users, rows.available, strict=True)
-            if 0 < taken.get(user, 0) < available and user not in dropped
-        }
-        rivals = [(True, *top)] if top is not None else []
-        for i in unpicked:
-            turn = TURN_TOKENS if rows.turns[i] else 0
-            value = rows.counters[i] + (0 - turn) / rows.weights[i]
-            rivals.append((rows.sizes[i] > 0, value, rows.lasts[i], users[i]))
-        if not rivals:
-            return last_picks, next_slots, None
-        in_queue, value, last, user = min(rivals)
-        return last_picks, next_slots, ((in_queue, (1, value, last)), user)
 
     def _rotate(self, user: str, turns: int) -> None:
         """Its requests in turn, not served now, go behind the others."""
         queue, served = self.queues[user], self._served[user]
         self.queues[user] = [*queue[turns:], *queue[:turns]]
         self._served[user] = [*served[turns:], *served[:turns]]
-
-
-def _make(
-    rows: _Rows, targets: Iterable[int], entries: list[Entry], heads: list[Entry]
-) -> None:
-    """Add each row's entries up to its target (at most what it has
-    available): ``FairShare.key`` of its ``k``-th slot, ``counter + (k -
-    turn) / weight``, with a turn for its first requests in turn. A waiting
-    user's first slot goes to ``heads`` (it ranks ahead of every key)."""
-    made = rows.made
-    stops = [min(n, a) for n, a in zip(targets, rows.available, strict=False)]
-    stops += made[len(stops) :]  # rows without a target keep theirs
-    tokens = TURN_TOKENS
-    columns = zip(
-        rows.counters,
-        rows.weights,
-        rows.lasts,
-        rows.users,
-        rows.sizes,
-        rows.turns,
-        made,
-        stops,
-        strict=True,
-    )
-    entries += [
-        (
-            counter + (k - (tokens if k < turns else 0)) / weight,
-            last,
-            user,
-            k,
-            k >= size,
-        )
-        for counter, weight, last, user, size, turns, start, stop in columns
-        for k in range(start or (size == 0), stop)  # a waiting user's first: heads
-    ]
-    heads += [
-        (counter + 0 / weight, last, user, 0, True)
-        for counter, weight, last, user, size, start, stop in zip(
-            rows.counters,
-            rows.weights,
-            rows.lasts,
-            rows.users,
-            rows.sizes,
-            made,
-            stops,
-            strict=True,
-        )
-        if not size and not start and stop
-    ]
-    rows.made = [max(start, stop) for start, stop in zip(made, stops, strict=True)]
-
-
-class _Scan:
-    """``share_slots``' pops over the sorted entries: each slot to a running
-    request, or to a waiting one while free resident places last
-    (``room``). Once they are gone no slot goes to a waiting request again,
-    and a user whose waiting request finds none drops out."""
-
-    def __init__(
-        self, heads: list[Entry], entries: list[Entry], slots: int, room: int
-    ) -> None:
-        heads.sort()
-        entries.sort()
-        ordered = heads + entries
-        grants = list(compress(range(len(ordered)), map(_is_grant, ordered)))
-        room = max(room, 0)
-        counted: list[Entry] = ordered
-        self.dropped: set[str] = set()
-        end = len(ordered)  # where share_slots stops popping
-        if len(grants) > room:
-            cut = grants[room]  # the first waiting request left without room
-            counted = ordered[:cut] + list(filterfalse(_is_grant, ordered[cut:]))
-            if len(counted) >= slots:
-                end = (
-                    cut if slots <= cut else ordered.index(counted[slots - 1], cut) + 1
-                )
-            self.dropped = set(map(_user_of_entry, filter(_is_grant, ordered[cut:end])))
-        picks = counted[:slots]
-        # The last slot's entry, once every slot went; whether it is a head.
-        self.last: Entry | None = picks[-1] if len(picks) == slots else None
-        # (a waiting user's first slot: the only waiting one with k = 0)
-        self.last_is_head = self.last is not None and self.last[3:] == (0, True)
-        running = list(filterfalse(_is_grant, picks))
-        # The user and k of each running request picked, in order.
-        self.users: list[str] = list(map(_user_of_entry, running))
-        self.ks: list[int] = list(map(_k_of_entry, running))
-        self.granted = dict(Counter(map(_user_of_entry, filter(_is_grant, picks))))
-        self.taken: Mapping[str, int] = Counter(map(_user_of_entry, picks))
-
-    def behind(self, top: tuple[float, int, str]) -> bool:
-        """Whether an untouched user's first slot ranks ahead of the last
-        slot handed out (or not every slot went)."""
-        return self.last is None or (not self.last_is_head and top < self.last[:3])

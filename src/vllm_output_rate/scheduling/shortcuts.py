@@ -4,7 +4,7 @@ Each layer changes where the time goes, never what is decided:
 ``tests/scheduling/test_shortcuts.py`` runs randomized workloads with and
 without them and asserts the same dispatches and charges, step by step.
 ``ReferenceStep`` is the plain path (``"shortcuts": false`` in the plugin's
-settings); ``Shortcuts`` adds three layers (why each pays: docs/architecture.md,
+settings); ``Shortcuts`` adds these layers (why each pays: docs/architecture.md,
 "Shortcuts"):
 
 * **vLLM's own hook in uncontested steps.** Nobody can be refused, so our
@@ -12,9 +12,14 @@ settings); ``Shortcuts`` adds three layers (why each pays: docs/architecture.md,
   stands in for it and the step's tokens are charged from its output.
 * **The kept batch.** A contested step on a saturated engine whose ranking
   could not pick otherwise serves the last ranking's batch again without
-  ranking (``kept_batch.py``); when the step can schedule nothing else, the
-  running requests beyond the batch are set aside for vLLM's step and
-  vLLM's own hook runs.
+  ranking (``kept_batch.py``).
+* **Ranking by rotations.** A contested step ranks from each user's
+  requests kept in rotation between steps (``rotations.py``), at a cost
+  that follows what changed, where ``share_slots`` would sort them all.
+* **The batch alone in vLLM's loop.** When a contested step can schedule
+  nothing but its batch, the running requests beyond it are set aside for
+  vLLM's step and vLLM's own hook runs; its waiting scan ends once the
+  slots granted to waiting requests are taken (``set_aside.py``).
 * **Settling beside the model.** ``end_step`` only notes the step; it is
   settled when vLLM's engine asks for the grammar bitmask, after it handed
   the step to the model worker, or by whichever entry point comes first.
@@ -32,16 +37,13 @@ from typing import TYPE_CHECKING, Protocol
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request
 
-from vllm_output_rate.scheduling import kv_room, planning
+from vllm_output_rate.scheduling import kv_room, planning, set_aside
 from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, last_served_of, user_of
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.rotations import Rotations
 from vllm_output_rate.scheduling.step import StepMode
 from vllm_output_rate.seams import (
-    chunks_follow_request_counts,
     inflight_prefills,
-    input_token_budget,
-    num_free_kv_blocks,
     num_kv_cache_groups,
     passed_over_next_step,
 )
@@ -130,15 +132,15 @@ class Shortcuts:
                 order=self._order_running,
                 resident=self.rotations.resident() if resumed else None,
             )
-            self._end_scan_with_grants(policy, step)
-            step.vllm_hook = self._set_aside_deferred(policy, step)
+            set_aside.end_scan_with_grants(policy, step)
+            step.vllm_hook = set_aside.for_ranked_batch(policy, step)
             return True
         step.mode = StepMode.KEPT
         # Every active slot stays with its request: no waiting request may
         # take one, so vLLM's waiting scan ends at once.
         step.close_admission()
         step.kept_waiting_users = kept.waiting_users
-        step.vllm_hook = self._set_aside_unkept(policy, step, kept)
+        step.vllm_hook = set_aside.for_kept_batch(policy, step, kept)
         return True
 
     def _may_keep(self, policy: OutputRatePolicy, step: Step, kept: KeptBatch) -> bool:
@@ -162,36 +164,6 @@ class Shortcuts:
             for _, requests, _ in kept.last_picks.values()
             for request in requests
         )
-
-    def _set_aside_unkept(
-        self, policy: OutputRatePolicy, step: Step, kept: KeptBatch
-    ) -> bool:
-        """Whether vLLM's own hook can stand in for ours in this kept step.
-
-        It can when the step can schedule nothing but the kept batch: the
-        batch is the first ``active_cap`` running requests (each decodes one
-        token, so our hook would have made them the active ones and deferred
-        the rest), and the rest are set aside, off ``running`` for vLLM's
-        step (``Step.undo`` puts them back behind the batch). Not when a
-        chunk's charge depends on its drafts or a step's output comes late
-        (``kv_blocks_needed`` is None then), not while a prefill continues
-        (its chunk may not sample), and only when every request of the batch
-        finds a free KV block for its token in each KV cache group (vLLM
-        would preempt the last request of ``running``: with the rest set
-        aside, one of the batch).
-        """
-        host = policy.host
-        if (
-            kept.kv_blocks_needed is None
-            or inflight_prefills(host)
-            or num_free_kv_blocks(host) < kept.kv_blocks_needed
-        ):
-            return False
-        running, cap = host.running, step.active_cap
-        if len(running) > cap:
-            step.set_aside, step.batch = running[cap:], cap
-            del running[cap:]
-        return True
 
     def _order_running(self, policy: OutputRatePolicy, step: Step) -> None:
         """``planning.order_running``, by the rotations where they rank the
@@ -226,75 +198,6 @@ class Shortcuts:
             step.running_cap = active - sum(ranking.granted.values())
         host.running[:] = ranking.order
         self._rotated = step.number
-
-    def _end_scan_with_grants(self, policy: OutputRatePolicy, step: Step) -> None:
-        """End vLLM's waiting scan once the slots granted by rank are taken.
-
-        When everyone is covered and the ranking granted the waiting
-        requests' slots (FCFS), ``Step.admit_waiting`` refuses every other
-        waiting request, so the rest of the scan would only skip them (in
-        order: the queue ends as it would). Skipped requests are noted by
-        vLLM (its count of skipped waiting requests, a grammar or remote KV
-        found ready) only when the scan reaches them, as in a kept step.
-        """
-        slots = step.slots
-        if (
-            slots is None
-            or slots.granted is None
-            or step.admission_closed
-            or not step.budget.covers_demand
-            or policy.host.policy != SchedulingPolicy.FCFS
-        ):
-            return
-        if slots.grants_left():
-            step.close_after_grants = True
-        else:
-            step.close_admission()
-
-    def _set_aside_deferred(self, policy: OutputRatePolicy, step: Step) -> bool:
-        """Whether a ranked step's deferred requests are set aside, off
-        ``running`` for vLLM's step, with vLLM's own hook in place of ours.
-
-        Our hook would serve the first ``running_cap`` running requests (the
-        ranking's picks, each decoding one token) and defer every other,
-        raising the admission bar by one for each. So when nobody can be
-        refused, and no chunk can be passed over, cut short or fail:
-        everyone covered, FCFS, plain accounts known at dispatch (no drafts,
-        no late outputs), no prefill in flight, a free KV block for each
-        pick in each group beyond ``kv_room.margin`` (vLLM would preempt the
-        last request of ``running``), token and input budgets beyond the
-        picks (so that our hook would have reached every deferred request),
-        and, while waiting requests may be admitted, chunks not sized by
-        request counts and no adapter limit (both read ``running``), the
-        deferred requests go aside and the bar is lowered by what they
-        would have raised it. ``Step.undo`` puts them back behind the picks.
-        """
-        host, cap = policy.host, step.running_cap
-        running = host.running
-        if (
-            step.ranking is None
-            or not 0 < cap < len(running)
-            or not step.budget.covers_demand
-            or host.policy != SchedulingPolicy.FCFS
-            or not policy.accounting.charges_known_at_dispatch
-            or policy.late_outputs
-            or inflight_prefills(host)
-            or host.max_num_scheduled_tokens <= cap
-            or input_token_budget(host) <= cap
-            or num_free_kv_blocks(host)
-            < kv_room.margin(host) + cap * num_kv_cache_groups(host)
-        ):
-            return False
-        if not step.admission_closed:
-            if chunks_follow_request_counts(host) or policy.modes.max_loras:
-                return False
-            deferred = len(running) - cap
-            host.max_num_active_reqs = min(
-                step.active_cap, host.max_num_running_reqs - deferred
-            )
-        step.set_aside, step.batch = running[cap:], cap
-        del running[cap:]
-        return True
 
     def charges(self, policy: OutputRatePolicy, step: Step) -> Charges | None:
         if not step.vllm_hook:
