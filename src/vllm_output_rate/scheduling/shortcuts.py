@@ -103,11 +103,10 @@ class Shortcuts:
         self._logger = logger
         # The batch the next step may keep (None: rank again).
         self.kept: KeptBatch | None = None
-        # Each user's requests in rotation, and the last step they ranked.
+        # Each user's requests in rotation.
         self.rotations: Rotations[Request] = Rotations(
             user_of, last_served_of, _request_id
         )
-        self._rotated = -1
 
     def forget(self) -> None:
         self.kept = None
@@ -197,7 +196,7 @@ class Shortcuts:
             slots.granted = ranking.granted
             step.running_cap = active - sum(ranking.granted.values())
         host.running[:] = ranking.order
-        self._rotated = step.number
+        step.rotated = True
 
     def charges(self, policy: OutputRatePolicy, step: Step) -> Charges | None:
         if not step.vllm_hook:
@@ -229,7 +228,7 @@ class Shortcuts:
                 map(setattr, sampled, repeat(LAST_SERVED_ATTR), repeat(step.number)), 0
             )
             step.active = len(scheduled) - step.admitted
-            if self._rotated == step.number:
+            if step.rotated:
                 step.deferred_users.update(self.rotations.deferred_users)
             else:
                 step.deferred_users.update(map(user_of, step.set_aside))
@@ -239,7 +238,7 @@ class Shortcuts:
         self.kept = self._batch_to_keep(policy, step)
         output = step.output
         assert output is not None
-        if self._rotated == step.number or step.mode is StepMode.KEPT:
+        if step.rotated or step.mode is StepMode.KEPT:
             host = policy.host
             self.rotations.settled(
                 step.number,
@@ -263,11 +262,7 @@ class Shortcuts:
         )
         assert output is not None
         kept = self.kept if step.mode is StepMode.KEPT else None
-        if (
-            kept is None
-            and self._rotated == step.number
-            and not self.rotations.detailed
-        ):
+        if kept is None and step.rotated and not self.rotations.detailed:
             return None  # many users: ranking by the rotations costs what keeping does
         if (
             (kept is None and ranking is None)

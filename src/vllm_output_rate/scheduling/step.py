@@ -88,8 +88,10 @@ class Step:
     # granted to waiting requests are taken (a shortcut's).
     admission_closed: bool = False
     close_after_grants: bool = False
-    # How a contested step handed out its active slots (ordering.share_slots).
+    # How a contested step handed out its active slots (ordering.share_slots),
+    # and whether the rotations ranked it (a shortcut, rotations.py).
     ranking: SharedSlots[Request] | None = None
+    rotated: bool = False
     # Claimants a kept step left waiting (its batch's ranking's).
     kept_waiting_users: frozenset[str] | None = None
     # Running requests off vLLM's list for the step (a shortcut's), put back
