@@ -42,11 +42,7 @@ from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, last_served_of,
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
 from vllm_output_rate.scheduling.rotations import Rotations
 from vllm_output_rate.scheduling.step import StepMode
-from vllm_output_rate.seams import (
-    inflight_prefills,
-    num_kv_cache_groups,
-    passed_over_next_step,
-)
+from vllm_output_rate.seams import inflight_prefills, num_kv_cache_groups
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.policy import OutputRatePolicy
@@ -153,16 +149,7 @@ class Shortcuts:
         floors = policy.fair.floors
         if floors and not floors.keys().isdisjoint(policy.demand.unfinished):
             return False  # floor credit grows with time: rank again
-        if not kept.ranks_first:
-            return False
-        # With late outputs vLLM passes over a request at its last token
-        # (and, with pipeline parallelism, one not yet eligible): its active
-        # slot would go to the next running request, not the next by rank.
-        return not policy.late_outputs or not any(
-            passed_over_next_step(host, request)
-            for _, requests, _ in kept.last_picks.values()
-            for request in requests
-        )
+        return kept.ranks_first
 
     def _order_running(self, policy: OutputRatePolicy, step: Step) -> None:
         """``planning.order_running``, by the rotations where they rank the
@@ -264,6 +251,14 @@ class Shortcuts:
         kept = self.kept if step.mode is StepMode.KEPT else None
         if kept is None and step.rotated and not self.rotations.detailed:
             return None  # many users: ranking by the rotations costs what keeping does
+        if policy.late_outputs:
+            # vLLM passes over a request at its last token (and, with
+            # pipeline parallelism, one not yet eligible): its active slot
+            # goes to the next running request, the first deferred one. A
+            # kept step leaves the running list in the last ranking's order,
+            # not in the order ranking afresh leaves, so a later step passing
+            # a pick over would fill its slot with another request.
+            return None
         if (
             (kept is None and ranking is None)
             or host.policy == SchedulingPolicy.PRIORITY
