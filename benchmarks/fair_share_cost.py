@@ -10,7 +10,9 @@ the rest). Schedulers are stepped side by side in shuffled rounds (the
 machines are noisy); a ratio is the median over rounds of ours / stock in
 the same round. The claim checked: the cost grows with the users, not the
 resident requests, so ``U = 10,000`` costs about what ``U = 256`` does at
-the same ``R``.
+the same ``R``. The plugin's Python work per step is counted apart, in a
+few untimed steps (counting slows them): the Python and builtin calls its
+code makes, which grow with the users served in a step, not with ``R``.
 
 Usage::
 
@@ -26,15 +28,21 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import vllm_output_rate
 from harness.scheduler_sim import make_scheduler
 from vllm_output_rate.demo.tiny_model import build_tiny_model
 
 HUGE_RATE = 1e9
 STEP_NS = 1_000_000
 USER_COUNTS = (256, 10_000)
+COUNTED_STEPS = 3
+PLUGIN_DIR = str(Path(vllm_output_rate.__file__).parent)
 
 
 def _subject(
@@ -87,9 +95,31 @@ def run(requests: int, rounds: int) -> dict[str, dict[str, float]]:
         name: {
             "schedule_ms": statistics.median(times[name]) / 1e6,
             "step_ratio_to_stock": statistics.median(ratios[name]),
+            "plugin_calls_per_step": plugin_calls_per_step(h),
         }
-        for name in times
+        for name, h in subjects
     }
+
+
+def plugin_calls_per_step(h: Any) -> float:
+    """Calls into the plugin's Python code, and builtin calls it makes, per
+    step (a generator counts once per item it yields)."""
+    calls = 0
+
+    def count(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal calls
+        if event in ("call", "c_call") and frame.f_code.co_filename.startswith(
+            PLUGIN_DIR
+        ):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        for _ in range(COUNTED_STEPS):
+            h.step(STEP_NS)
+    finally:
+        sys.setprofile(None)
+    return calls / COUNTED_STEPS
 
 
 def main() -> None:
@@ -99,11 +129,12 @@ def main() -> None:
     args = parser.parse_args()
     results = run(args.requests, args.rounds)
     print(f"R = {args.requests:,} resident, active slots R/2, {args.rounds} rounds")
-    print("| scheduler | schedule() median ms | step / stock (median) |")
-    print("| --- | --- | --- |")
+    print("| scheduler | schedule() median ms | step / stock (median) | plugin calls")
+    print("| --- | --- | --- | --- |")
     for name, row in results.items():
         print(
-            f"| {name} | {row['schedule_ms']:.2f} | {row['step_ratio_to_stock']:.2f} |"
+            f"| {name} | {row['schedule_ms']:.2f} | {row['step_ratio_to_stock']:.2f} "
+            f"| {row['plugin_calls_per_step']:,.0f} |"
         )
 
 

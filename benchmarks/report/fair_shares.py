@@ -264,15 +264,19 @@ def table(results: dict[str, Any]) -> str:
             "active slots R / 2, so every step is contested: it ranks, or "
             "keeps the last ranking's batch where ranking could not change it "
             "(`kept_batch.py`); stock admits R / 2 in queue order and never "
-            "looks at the rest.",
+            "looks at the rest. Plugin calls: the Python and builtin calls "
+            "the plugin's code makes in a step (counted in untimed steps).",
             "",
-            "| scheduler | schedule() median ms | step / stock (median) |",
-            "|---|---:|---:|",
+            "| scheduler | schedule() median ms | step / stock (median) "
+            "| plugin calls per step |",
+            "|---|---:|---:|---:|",
         ]
         for name, row in cost["subjects"].items():
+            calls = row.get("plugin_calls_per_step")
             lines.append(
                 f"| {name} | {row['schedule_ms']:.2f} "
-                f"| {row['step_ratio_to_stock']:.2f} |"
+                f"| {row['step_ratio_to_stock']:.2f} "
+                f"| {'-' if calls is None else f'{calls:,.0f}'} |"
             )
     return "\n".join(lines) + "\n"
 
