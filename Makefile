@@ -52,8 +52,11 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # Benchmarks live outside the package; they share the scheduler harness
-# with the tests (tests/harness). Options: make bench BENCH_ARGS="--quick"
-# (or "--only accuracy", "--from-results results/bench/<stamp>/results.json [...]").
+# with the tests (tests/harness). They keep their results in
+# benchmarks/results/ and render BENCHMARKS.md whole from them. Options:
+# make bench BENCH_ARGS="--only accuracy" (measure some sections again),
+# "--render-only", or "--quick --results /tmp/r --output /tmp/r/BENCHMARKS.md"
+# (a short trial that leaves the repository's files alone).
 BENCH_ARGS ?=
 bench: $(STAMP)
 	PYTHONPATH=$(CURDIR)/tests:$(CURDIR) $(PY) -m benchmarks $(BENCH_ARGS)

@@ -1,44 +1,33 @@
-"""Run the project's benchmarks and write BENCHMARKS.md (``make bench``).
+"""Run the benchmarks and write BENCHMARKS.md (``make bench``).
 
 Usage::
 
-    python -m benchmarks [--quick] [--only NAME ...]
-        [--output BENCHMARKS.md] [--figures DIR] [--work-dir DIR]
-    python -m benchmarks --from-results results/bench/STAMP/results.json [...]
+    python -m benchmarks [--quick] [--only NAME ...] [--render-only]
+        [--results DIR] [--output BENCHMARKS.md] [--figures DIR] [--work-dir DIR]
 
-``make bench`` runs the first form from the checkout's top with ``tests/``
-and the checkout on PYTHONPATH (``make bench BENCH_ARGS="--quick"`` passes
-options). Benchmarks, in the order they run: ``scheduler_cost`` (one
-scheduler step without a model, before any server starts), ``store``
-(several engines sharing one Redis store, with its own redis-server and
-engines), ``speculative`` (its own servers with speculation on),
-``fair_shares`` (its own saturated servers, then the ranking's step cost), then
-``throughput``, ``isolation``, ``idle``, ``accuracy`` and
-``metrics_scrape`` on real vLLM OpenAI servers, stock against ours
-(``benchmarks.suite``).
-
-Every figure is a ratio of measurements taken side by side in the same run.
-The raw results (``results.json``) and server logs go to the work folder;
-the report (``benchmarks.report``) is made from ``results.json`` alone, and
-``--from-results`` re-renders it from a past run without measuring. Figures
-go to ``docs/bench/`` next to the report. Exit code 0 when every benchmark
-ran (targets missed or not), 1 when one failed to run, 2 outside a checkout
-of the project, 130 on Ctrl-C.
+Measures the selected sections (all by default; ``suite.ORDER``), keeps
+their results in ``benchmarks/results/latest.json`` (the other sections keep
+theirs), adds a row to ``history.json`` unless ``--quick``, then renders the
+whole report from the kept results; ``--render-only`` measures nothing.
+Figures go to ``docs/bench/`` next to the report; server logs and engine
+logs to the work folder. ``make bench`` runs it from the checkout's top with
+``tests/`` and the checkout on PYTHONPATH. Try the whole thing without
+touching the repository's files with ``--quick --results /tmp/r --output
+/tmp/r/BENCHMARKS.md``. Exit code 0 when every selected section ran, 1 when
+one failed, 2 outside a checkout of the project, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from benchmarks import checkout
-from benchmarks.progress import log
+from benchmarks import checkout, results
+from benchmarks.measure import log
 
 
 def _parser(root: Path) -> argparse.ArgumentParser:
@@ -48,58 +37,33 @@ def _parser(root: Path) -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Run the benchmarks (ours vs stock vLLM) and write BENCHMARKS.md.",
     )
-    parser.add_argument("--quick", action="store_true", help="shorter runs (~6 min)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs")
     parser.add_argument(
         "--only",
         nargs="+",
         choices=ORDER,
         metavar="NAME",
-        help=f"run only these benchmarks ({', '.join(ORDER)})",
+        help=f"measure only these sections ({', '.join(ORDER)})",
     )
     parser.add_argument(
-        "--output", type=Path, default=root / "BENCHMARKS.md", help="the report"
+        "--render-only", action="store_true", help="measure nothing, render the report"
     )
     parser.add_argument(
-        "--figures",
+        "--results",
         type=Path,
-        default=None,
-        help="folder for PNG figures (default: docs/bench next to the report)",
+        default=results.RESULTS_DIR,
+        help="folder of the kept results (latest.json, history.json)",
+    )
+    parser.add_argument("--output", type=Path, default=root / "BENCHMARKS.md")
+    parser.add_argument(
+        "--figures", type=Path, help="PNG figures (default: docs/bench by the report)"
     )
     parser.add_argument(
         "--work-dir",
         type=Path,
-        default=None,
-        help="folder for raw JSON results and server logs "
-        "(default: results/bench/<date-time>)",
-    )
-    parser.add_argument(
-        "--from-results",
-        type=Path,
-        nargs="+",
-        metavar="RESULTS_JSON",
-        help="measure nothing: write the report from past runs' results.json "
-        "(oldest first; a later run's benchmark replaces an earlier one's)",
+        help="logs of servers and engines (default: results/bench/<date-time>)",
     )
     return parser
-
-
-def _command(argv: Sequence[str]) -> str:
-    return "python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
-
-
-def _measure(args: argparse.Namespace, root: Path, command: str) -> dict[str, Any]:
-    from benchmarks import suite
-
-    selected = [n for n in suite.ORDER if not args.only or n in args.only]
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    work_dir = (args.work_dir or root / "results" / "bench" / stamp).resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
-    log(f"{command}: {', '.join(selected)}; raw results in {work_dir}")
-    raw = suite.run(selected, args.quick, work_dir, command)
-    results_json = work_dir / "results.json"
-    results_json.write_text(json.dumps(raw, indent=2, default=str) + "\n")
-    log(f"raw results: {results_json}")
-    return raw
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,34 +74,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 2
     checkout.importable(root)
-    parser = _parser(root)
-    args = parser.parse_args(argv)
-    if args.from_results and (args.quick or args.only or args.work_dir):
-        parser.error(
-            "--from-results measures nothing: it takes no --quick, --only or --work-dir"
-        )
-    output = args.output.resolve()
-    figures_dir = (args.figures or output.parent / "docs" / "bench").resolve()
-    command = _command(argv)
-    if args.from_results:
-        from benchmarks.report.runs import merge
-
-        raw = merge([json.loads(path.read_text()) for path in args.from_results])
-        rerendered_by: str | None = command
-    else:
-        try:
-            raw = _measure(args, root, command)
-        except KeyboardInterrupt:
-            return 130
-        rerendered_by = None
+    args = _parser(root).parse_args(argv)
     from benchmarks.report import document
 
-    document.write(raw, output, figures_dir, rerendered_by)
-    log(
-        f"wrote {output} and figures in {figures_dir} "
-        f"({raw['elapsed_s'] / 60:.1f} min of measuring)"
-    )
-    return 1 if raw["errors"] else 0
+    entries = results.load_latest(args.results)
+    rows = results.load_history(args.results)
+    failed = False
+    if not args.render_only:
+        from benchmarks import suite
+
+        selected = [n for n in suite.ORDER if not args.only or n in args.only]
+        command = "python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
+        run = suite.run_info(command, args.quick)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        work_dir = (args.work_dir or root / "results" / "bench" / stamp).resolve()
+        log(f"{command}: {', '.join(selected)}; logs in {work_dir}")
+        try:
+            outcomes = suite.run(selected, args.quick, work_dir)
+        except KeyboardInterrupt:
+            return 130
+        entries = results.update_latest(entries, run, outcomes)
+        results.save_latest(args.results, entries)
+        measured = {n: o["results"] for n, o in outcomes.items() if "results" in o}
+        if measured and not args.quick:
+            rows = [*rows, document.headline_row(run, measured)]
+            results.save_history(args.results, rows)
+        failed = any("error" in o for o in outcomes.values())
+    output = args.output.resolve()
+    figures = (args.figures or output.parent / "docs" / "bench").resolve()
+    document.write(entries, rows, output, figures)
+    print(f"wrote {output} (figures in {figures})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@
 Every change of the set of requests scheduled in a step costs vLLM's model
 runner a rebuild of its persistent batch (``_update_states``: requests added
 and removed, inputs, sampling metadata); on the tiny model that is a
-visible part of ours' longer step on section 9's saturated load
+visible part of ours' longer step on the saturated load
 (docs/architecture.md, "Turns"). This counts the changes at scheduler level,
-with vLLM's real scheduler and KV cache manager and a fake clock, on section
-9's engine load: ``ENGINE_LOAD_USERS`` (two users of 18 streams) with
-requests of 64 tokens, each that ends replaced at once, on
-``ENGINE_LIMITS`` (40 resident, 3 active slots), ours with section 9's
-weights and floors and limits far above demand. Stock runs each request to
+with vLLM's real scheduler and KV cache manager and a fake clock, on the
+saturated pair's load (``kinds``): two users of 18 streams with requests of
+64 tokens, each that ends replaced at once, 40 resident, 3 active slots,
+ours with the weights and floors and limits far above demand. Stock runs each request to
 its end; ours hands the slots out by weighted service, and a slot passes
 between the two users when one is ``TURN_TOKENS`` ahead.
 
@@ -17,56 +16,54 @@ Also counted: ours' steps that kept the last ranking's batch
 (``kept_batch.py``) and the largest gap between the two users' tokens.
 Deterministic (no timing), so one run is the figure.
 
-``--time ROUNDS`` times the scheduler instead (``time_side_by_side``):
-stock and ours stepped in turn in one process, each step's ``schedule()``,
-``get_grammar_bitmask()`` and ``update_from_output()`` timed by the harness,
-and ``schedule()`` alone (what the engine waits for), ours' kept and ranked
-steps apart. Noisy machines: compare the two columns of one run.
-
-Usage::
-
-    PYTHONPATH=tests:. python -m benchmarks.batch_changes [--steps 3000] [--time 3]
+Alone: ``PYTHONPATH=tests:. python -m benchmarks.batch_changes [--steps N]``
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import Counter
 from typing import Any
 
-from benchmarks.fair_shares import (
-    ENGINE_LIMITS,
-    ENGINE_LOAD_USERS,
-    FAIRNESS_CONFIG,
-)
+from benchmarks.kinds import FAIRNESS, FAR_LIMIT, SATURATED_LIMITS, SATURATED_USERS
 from harness.scheduler_sim import make_scheduler
+from vllm_output_rate.scheduling.step import StepMode
 
 STEP_NS = 1_000_000
 PROMPT_TOKENS = 12
 MAX_TOKENS = 64
 STEPS = 3000
-FAR_LIMIT = 1e6
+
+
+def kept_this_step(policy: Any) -> bool:
+    """Whether ours' last step kept the last ranking's batch."""
+    return bool(policy.step.mode is StepMode.KEPT)
 
 
 class EngineLoad:
-    """Section 9's engine load on one scheduler, ended requests replaced."""
+    """The saturated load on one scheduler, ended requests replaced."""
 
-    def __init__(self, model: str, ours: bool) -> None:
+    def __init__(self, model: str, ours: bool, shortcuts: bool = True) -> None:
         limits = (
-            {"default_user_output_tokens_per_second": FAR_LIMIT, **FAIRNESS_CONFIG}
+            {
+                "default_user_output_tokens_per_second": FAR_LIMIT,
+                **FAIRNESS,
+                "shortcuts": shortcuts,
+            }
             if ours
             else None
         )
         self.h = make_scheduler(
             model,
             limits=limits,
-            max_num_seqs=ENGINE_LIMITS["max_num_seqs"],
-            max_num_active_seqs=ENGINE_LIMITS["max_num_active_seqs"],
+            max_num_seqs=SATURATED_LIMITS["max_num_seqs"],
+            max_num_active_seqs=SATURATED_LIMITS["max_num_active_seqs"],
         )
         self.policy = getattr(self.h.scheduler, "output_rate", None)
         self.user_by_id: dict[str, str] = {}
-        for user in ENGINE_LOAD_USERS:
+        for user in SATURATED_USERS:
             self._add(user)
 
     def _add(self, user: str) -> None:
@@ -85,30 +82,27 @@ class EngineLoad:
     @property
     def kept(self) -> bool:
         """Whether the last step kept the last ranking's batch (ours)."""
-        return self.policy is not None and self.policy._keeping
-
-    @property
-    def step_ns(self) -> int:
-        """The scheduler's time in the last step: schedule() and the
-        update_from_output() of the step fed back."""
-        return self.h.schedule_ns + self.h.update_ns
-
-    @property
-    def critical_ns(self) -> int:
-        """schedule() alone in the last step: what vLLM's engine waits for
-        before the model runs (ours settles the step after that)."""
-        return self.h.schedule_ns - self.h.settle_ns
+        return self.policy is not None and kept_this_step(self.policy)
 
 
-def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
-    """Run the load for ``steps`` steps on one scheduler and count."""
-    load = EngineLoad(model, ours)
-    users = set(ENGINE_LOAD_USERS)
+def count(
+    model: str, ours: bool, steps: int = STEPS, shortcuts: bool = True
+) -> dict[str, Any]:
+    """Run the load for ``steps`` steps on one scheduler and count; also the
+    median time of ``schedule()`` (what vLLM's engine waits for before the
+    model runs) and of the settling in ``get_grammar_bitmask()`` (beside the
+    model), as context: it is one run on a shared machine."""
+    load = EngineLoad(model, ours, shortcuts)
+    schedule_ns: list[int] = []
+    settle_ns: list[int] = []
+    users = set(SATURATED_USERS)
     scheduled: Counter[str] = Counter()
     previous: frozenset[str] | None = None
     changes = kept = largest_gap = 0
     for _ in range(steps):
         batch = load.step()
+        schedule_ns.append(load.h.schedule_ns - load.h.settle_ns)
+        settle_ns.append(load.h.settle_ns)
         if previous is not None and batch.keys() != previous:
             changes += 1
         previous = frozenset(batch)
@@ -123,54 +117,22 @@ def count(model: str, ours: bool, steps: int = STEPS) -> dict[str, Any]:
         "kept_steps": kept if load.policy is not None else None,
         "scheduled": dict(scheduled),
         "largest_gap": largest_gap,
+        "schedule_us": statistics.median(schedule_ns) / 1e3,
+        "settle_us": statistics.median(settle_ns) / 1e3,
     }
 
 
-def time_side_by_side(
-    model: str, steps: int = STEPS, warmup: int = 200
-) -> dict[str, float]:
-    """The scheduler's mean time a step (µs), stock and ours stepped in
-    turn in one process so that both see the same machine state; ours'
-    kept and ranked steps apart. ``*_us``: schedule(), the settling in
-    get_grammar_bitmask() and update_from_output(); ``*_critical_us``:
-    schedule() alone, what vLLM's engine waits for before the model runs
-    (it calls get_grammar_bitmask() once the step has gone to the model
-    worker). The harness's own work is outside."""
-    stock, ours = EngineLoad(model, ours=False), EngineLoad(model, ours=True)
-    for _ in range(warmup):
-        stock.step()
-        ours.step()
-    stock_ns: list[tuple[int, int]] = []
-    kept_ns: list[tuple[int, int]] = []
-    ranked_ns: list[tuple[int, int]] = []
-    for _ in range(steps):
-        stock.step()
-        stock_ns.append((stock.step_ns, stock.critical_ns))
-        ours.step()
-        (kept_ns if ours.kept else ranked_ns).append((ours.step_ns, ours.critical_ns))
-    stock.h.settle()
-    ours.h.settle()
-
-    def mean_us(samples: list[tuple[int, int]], part: int) -> float:
-        return sum(s[part] for s in samples) / max(len(samples), 1) / 1e3
-
-    row: dict[str, float] = {"kept_steps": len(kept_ns)}
-    for part, suffix in ((0, "_us"), (1, "_critical_us")):
-        row["stock" + suffix] = mean_us(stock_ns, part)
-        row["ours" + suffix] = mean_us(kept_ns + ranked_ns, part)
-        row["kept" + suffix] = mean_us(kept_ns, part)
-        row["ranked" + suffix] = mean_us(ranked_ns, part)
-    return row
-
-
 def run(model: str, steps: int = STEPS) -> dict[str, Any]:
-    """Both schedulers on the same load (for section 9's report)."""
+    """Both schedulers on the same load (for the fair-shares section)."""
     return {
         "steps": steps,
-        "streams": len(ENGINE_LOAD_USERS),
+        "streams": len(SATURATED_USERS),
         "max_tokens": MAX_TOKENS,
         "stock": count(model, ours=False, steps=steps),
         "ours": count(model, ours=True, steps=steps),
+        # The reference path (shortcuts off): the same decisions, what the
+        # kept batch and settling beside the model save.
+        "reference": count(model, ours=True, steps=steps, shortcuts=False),
     }
 
 
@@ -179,34 +141,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.batch_changes")
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument(
-        "--time",
-        type=int,
-        metavar="ROUNDS",
-        default=0,
-        help="time the scheduler instead, stock and ours side by side",
-    )
     args = parser.parse_args(argv)
-    model = str(build_tiny_model())
-    for _ in range(args.time):
-        row = time_side_by_side(model, args.steps)
-        for suffix, what in (("_us", "whole"), ("_critical_us", "schedule()")):
-            stock_us, ours_us = row["stock" + suffix], row["ours" + suffix]
-            print(
-                f"{what}: stock {stock_us:.1f} us, ours {ours_us:.1f} us "
-                f"({ours_us - stock_us:+.1f}): kept steps "
-                f"{row['kept' + suffix]:.1f} us ({row['kept_steps']:.0f}), "
-                f"ranked {row['ranked' + suffix]:.1f} us"
-            )
-    if args.time:
-        return 0
-    results = run(model, args.steps)
-    for name in ("stock", "ours"):
+    results = run(str(build_tiny_model()), args.steps)
+    for name in ("stock", "ours", "reference"):
         row = results[name]
         print(
             f"{name}: {row['changes']} batch changes in {row['steps']} steps, "
             f"kept {row['kept_steps']}, scheduled {row['scheduled']}, "
-            f"largest gap {row['largest_gap']}"
+            f"largest gap {row['largest_gap']}, schedule() "
+            f"{row['schedule_us']:.1f} us, settling {row['settle_us']:.1f} us"
         )
     return 0
 

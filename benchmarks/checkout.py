@@ -1,22 +1,15 @@
-"""What the benchmarks need from the repository they live in.
+"""What the benchmarks need from the repository they live in: they are not
+installed but run from a checkout of this project, where they find the tests'
+scheduler harness (``tests/harness``), write BENCHMARKS.md at the top and
+name the commit they measured.
 
-The benchmarks are not installed: they run from a checkout of this project,
-where they find the shared scheduler harness (``tests/harness``), write
-BENCHMARKS.md and ``docs/bench/`` at the top, and name the commit they
-measured. This module is the one place that knows it:
-
-* ``repo_root()`` is the checkout, or a ``NotACheckout`` error that says what
-  to do (the folder above ``benchmarks/`` must hold this project's
-  ``pyproject.toml``);
-* ``importable()`` puts the checkout and ``tests/`` on this process's
-  ``sys.path``, and ``python_path(first)`` is the PYTHONPATH a child process
-  needs (a server
-  with a benchmark-only ``sitecustomize`` hook, an engine child): the hook's
-  folder, then the checkout (for ``benchmarks.*``) and ``tests/`` (for
-  ``harness.*``), whatever the parent was started with;
-* ``commit()`` is the measured commit, or says why it is unknown (no git, or
-  not a git work tree: a source archive can still be benchmarked);
-* ``machine()`` and ``versions()`` describe what ran.
+* ``repo_root()``: the checkout, or a ``NotACheckout`` error that says what
+  to do;
+* ``importable()``: the checkout and ``tests/`` on this process's
+  ``sys.path``; ``python_path(first)``: the PYTHONPATH a child process needs
+  (a hook's folder first, then the checkout and ``tests/``);
+* ``commit()``: the measured commit, or why it is unknown (a source archive
+  can still be benchmarked); ``machine()`` and ``versions()``: what ran.
 """
 
 from __future__ import annotations

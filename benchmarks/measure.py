@@ -1,8 +1,6 @@
-"""What the server benchmarks measure besides the load generator's own
-figures: CPU seconds of a server's processes, whether a server has drained,
-client-side token counts from a load's records, and the two statistics
-every benchmark reports (median, quartiles). How busy the rest of the
-machine is: ``noise``."""
+"""What the measuring modules share: progress lines, the statistics every
+benchmark reports (median, quartiles), client-side token counts, a server's
+``vllm:`` metrics and whether it has drained."""
 
 from __future__ import annotations
 
@@ -10,88 +8,18 @@ import contextlib
 import math
 import re
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import httpx
-import psutil
 
-from vllm_output_rate.demo.server import RunningServer
 from vllm_output_rate.loadtest import LoadResult
 from vllm_output_rate.loadtest.summary import percentile
 
-# ----- process CPU -----------------------------------------------------------
 
-
-def server_processes(url: RunningServer) -> dict[str, Any]:
-    """role -> psutil.Process for a server's process tree.
-
-    Roles: ``api_server`` (the group leader), ``engine_core`` (process title
-    ``VLLM::EngineCore``: scheduler and engine loop), ``worker``
-    (``VLLM::Worker...``: runs the model), ``other`` (helpers)."""
-    leader = psutil.Process(url.process.pid)
-    roles: dict[str, Any] = {"api_server": leader}
-    for child in leader.children(recursive=True):
-        try:
-            title = " ".join(child.cmdline()) or child.name()
-        except psutil.Error:
-            continue
-        if "EngineCore" in title:
-            roles["engine_core"] = child
-        elif "Worker" in title:
-            roles.setdefault("worker", child)
-        else:
-            roles.setdefault("other", child)
-    if "engine_core" not in roles:
-        raise RuntimeError(f"no EngineCore process found under pid {leader.pid}")
-    return roles
-
-
-def cpu_seconds(processes: dict[str, Any]) -> dict[str, float]:
-    """role -> user + system CPU seconds so far."""
-    out = {}
-    for role, proc in processes.items():
-        times = proc.cpu_times()
-        out[role] = times.user + times.system
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after if k in before}
-
-
-def wait_until_drained(url: str, timeout_s: float = 30.0) -> bool:
-    """Wait until the server has no running or waiting request."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            totals = metric_totals(url)
-            busy = totals.get("vllm:num_requests_running", 0.0) + totals.get(
-                "vllm:num_requests_waiting", 0.0
-            )
-            if busy == 0:
-                return True
-        time.sleep(0.5)
-    return False
-
-
-# ----- client-side counts and statistics -------------------------------------
-
-
-def tokens_between(result: LoadResult, user: str | None, lo: float, hi: float) -> int:
-    return sum(
-        n
-        for r in result.records
-        if r.user == user
-        for t, n in r.chunks
-        if lo <= t <= hi
-    )
-
-
-def median_us(samples_ns: Sequence[int]) -> float:
-    """Median of timings in ns, in µs (the scheduler benchmarks' unit)."""
-    return statistics.median(samples_ns) / 1e3
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -101,12 +29,29 @@ def median(values: Iterable[float | None]) -> float | None:
 
 
 def quartiles(values: Sequence[float | None]) -> tuple[float, float]:
-    """First and third quartile of the values that are numbers (NaN, NaN if
-    none)."""
+    """First and third quartile of the numbers among ``values`` (NaN, NaN
+    if none)."""
     xs = [v for v in values if v is not None and not math.isnan(v)]
     if not xs:
         return float("nan"), float("nan")
     return percentile(xs, 25), percentile(xs, 75)
+
+
+def median_us(samples_ns: Sequence[int]) -> float:
+    """Median of timings in ns, in µs (the scheduler benchmarks' unit)."""
+    return statistics.median(samples_ns) / 1e3
+
+
+def tokens_between(result: LoadResult, user: str | None, lo: float, hi: float) -> int:
+    """Tokens the client received for ``user`` between ``lo`` and ``hi``
+    seconds into the load."""
+    return sum(
+        n
+        for r in result.records
+        if r.user == user
+        for t, n in r.chunks
+        if lo <= t <= hi
+    )
 
 
 def metric_totals(url: str) -> dict[str, float]:
@@ -119,3 +64,19 @@ def metric_totals(url: str) -> dict[str, float]:
             name, _, value = match.groups()
             totals[name] = totals.get(name, 0.0) + float(value)
     return totals
+
+
+def wait_until_drained(url: str, timeout_s: float = 30.0) -> bool:
+    """Wait until the server has no running or waiting request (a stream
+    cut at the end of a load stays queued until vLLM writes to it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            totals = metric_totals(url)
+            busy = totals.get("vllm:num_requests_running", 0.0) + totals.get(
+                "vllm:num_requests_waiting", 0.0
+            )
+            if busy == 0:
+                return True
+        time.sleep(0.5)
+    return False

@@ -1,12 +1,12 @@
 """How busy the rest of the machine is: the noise beside every figure.
 
-The machines this runs on are shared, so every measurement is taken beside a
-count of the CPU that everything else used meanwhile: system busy time minus
-the CPU of this process and all its descendants (the servers and engines).
+The machines this runs on are shared, so the CPU that everything else used
+is counted: system busy time minus the CPU of this process and all its
+descendants (the servers and engines).
 
-* ``OthersCpu``: that count over one ``with`` block (one measurement);
+* ``OthersCpu``: that count over one ``with`` block;
 * ``NoiseMonitor``: the same, sampled once a second in a thread, per named
-  period (one benchmark) for the report's noise line;
+  period (one section of the report);
 * ``QuietGate``: before a measurement, wait (within a budget) until the rest
   of the machine is quiet.
 """
@@ -16,21 +16,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any
 
 import psutil
 
 BUSY_FIELDS = ("user", "nice", "system", "irq", "softirq")
-
 QUIET_CORES = 0.3  # "quiet": the rest of the machine uses less than this
 QUIET_MAX_WAIT_S = 15.0  # per measurement
 QUIET_BUDGET_S = {True: 20.0, False: 150.0}  # per run (quick, full)
-
-
-def system_cpu() -> tuple[float, float]:
-    """(busy, stolen) CPU seconds of the whole machine since boot."""
-    t = psutil.cpu_times()
-    return sum(getattr(t, f, 0.0) for f in BUSY_FIELDS), getattr(t, "steal", 0.0)
 
 
 def tree_cpu(pid: int | None = None) -> dict[int, float]:
@@ -49,110 +41,94 @@ def tree_cpu(pid: int | None = None) -> dict[int, float]:
     return out
 
 
-def own_cpu() -> dict[int, float]:
-    """pid -> CPU seconds of this process and its descendants (the servers)."""
-    return tree_cpu()
+class _Sample:
+    """The machine's busy CPU seconds and ours, at one moment."""
 
+    def __init__(self) -> None:
+        cpu = psutil.cpu_times()
+        self.at = time.monotonic()
+        self.busy = sum(getattr(cpu, f, 0.0) for f in BUSY_FIELDS)
+        self.own = tree_cpu()
 
-def others_cpu_s(
-    busy_delta_s: float, own_before: dict[int, float], own_after: dict[int, float]
-) -> float:
-    """CPU seconds the rest of the machine used: the machine's busy time over
-    a period minus what our processes used in it (a process born in the
-    period counts from zero)."""
-    own_delta = sum(v - own_before.get(pid, 0.0) for pid, v in own_after.items())
-    return max(0.0, busy_delta_s - own_delta)
+    def others_cores(self, before: _Sample) -> float | None:
+        """Cores the rest of the machine used since ``before`` (a process
+        born in between counts from zero)."""
+        elapsed = self.at - before.at
+        if elapsed <= 0:
+            return None
+        own = sum(v - before.own.get(pid, 0.0) for pid, v in self.own.items())
+        # The counters are read moments apart: keep within 0 and every core.
+        others = max(0.0, self.busy - before.busy - own) / elapsed
+        return min(others, float(psutil.cpu_count() or 1))
 
 
 class OthersCpu:
-    """CPU used by everything on the machine except this process and its
-    descendants, over a ``with`` block: ``cores`` afterwards is the average
-    number of cores the rest of the machine kept busy."""
+    """``cores`` after the ``with`` block: the average number of cores the
+    rest of the machine kept busy during it."""
 
     def __enter__(self) -> OthersCpu:
-        self._t0 = time.monotonic()
-        self._busy0 = system_cpu()[0]
-        self._own0 = own_cpu()
+        self._before = _Sample()
         self.cores: float | None = None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        elapsed = time.monotonic() - self._t0
-        others = others_cpu_s(system_cpu()[0] - self._busy0, self._own0, own_cpu())
-        self.cores = others / elapsed if elapsed > 0 else None
+        self.cores = _Sample().others_cores(self._before)
 
 
 class NoiseMonitor(threading.Thread):
-    """Samples, once a second, how much CPU the rest of the machine uses.
-    ``mark(label)`` starts a new accounting period (None: stop counting);
-    ``summary(label)`` is that period's average."""
+    """Samples the rest of the machine once a second; ``mark(label)`` starts
+    a period, ``summary(label)`` is its average (None if it had no sample)."""
 
-    def __init__(self, interval_s: float = 1.0) -> None:
+    def __init__(self) -> None:
         super().__init__(name="noise-monitor", daemon=True)
-        self.interval_s = interval_s
-        self.stop_event = threading.Event()
-        self.lock = threading.Lock()
-        self.periods: dict[str, dict[str, float]] = {}
-        self.label: str | None = None
-        self._last_sys = system_cpu()
-        self._last_own = own_cpu()
-        self._last_t = time.monotonic()
+        self._stop_event = threading.Event()
+        self._lock = threading.Lock()
+        self._label: str | None = None
+        self._last = _Sample()
+        self._periods: dict[str, list[float]] = {}  # label -> [seconds, cpu s]
 
     def _sample(self) -> None:
-        now = time.monotonic()
-        busy, steal = system_cpu()
-        own = own_cpu()
-        others = others_cpu_s(busy - self._last_sys[0], self._last_own, own)
-        with self.lock:
-            if self.label is not None:
-                p = self.periods.setdefault(
-                    self.label, {"seconds": 0.0, "others_cpu_s": 0.0, "steal_s": 0.0}
-                )
-                p["seconds"] += now - self._last_t
-                p["others_cpu_s"] += others
-                p["steal_s"] += max(0.0, steal - self._last_sys[1])
-        self._last_sys, self._last_own, self._last_t = (busy, steal), own, now
+        now = _Sample()
+        cores = now.others_cores(self._last)
+        with self._lock:
+            if self._label is not None and cores is not None:
+                period = self._periods.setdefault(self._label, [0.0, 0.0])
+                period[0] += now.at - self._last.at
+                period[1] += cores * (now.at - self._last.at)
+        self._last = now
 
     def run(self) -> None:
-        while not self.stop_event.wait(self.interval_s):
+        while not self._stop_event.wait(1.0):
             with contextlib.suppress(Exception):
                 self._sample()
 
     def mark(self, label: str | None) -> None:
         with contextlib.suppress(Exception):
             self._sample()
-        with self.lock:
-            self.label = label
+        with self._lock:
+            self._label = label
 
     def stop(self) -> None:
         self.mark(None)
-        self.stop_event.set()
+        self._stop_event.set()
 
     def summary(self, label: str) -> dict[str, float] | None:
-        with self.lock:
-            p = self.periods.get(label)
-        if not p or p["seconds"] <= 0:
+        with self._lock:
+            seconds, cpu_s = self._periods.get(label, (0.0, 0.0))
+        if seconds <= 0:
             return None
-        return {
-            "seconds": p["seconds"],
-            "others_cores": p["others_cpu_s"] / p["seconds"],
-            "steal_cores": p["steal_s"] / p["seconds"],
-        }
+        return {"seconds": seconds, "others_cores": cpu_s / seconds}
 
 
 class QuietGate:
-    """Before a measurement, wait until the rest of the machine is quiet
-    (other processes below QUIET_CORES cores over a 1 s sample), at most
-    QUIET_MAX_WAIT_S each time and ``budget_s`` in all, then go on anyway.
-    The samples double as the pause that lets vLLM's worker stop spinning
-    after the previous run (it busy-polls for 1 s after each message)."""
+    """Wait until the rest of the machine uses under QUIET_CORES cores over a
+    1 s sample, at most QUIET_MAX_WAIT_S each time and ``budget_s`` in all,
+    then go on anyway. The samples double as the pause that lets vLLM's
+    worker stop spinning after the previous run (it polls for 1 s)."""
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
         self.spent_s = 0.0
-        self.waits = 0
-        self.gave_up = 0
-        self.last_cores: float | None = None
 
     def wait(self) -> float:
         time.sleep(0.5)
@@ -161,21 +137,9 @@ class QuietGate:
             with OthersCpu() as others:
                 time.sleep(1.0)
             waited += 1.0
-            self.last_cores = others.cores
             if others.cores is not None and others.cores < QUIET_CORES:
                 break
             if waited >= QUIET_MAX_WAIT_S or self.spent_s + waited >= self.budget_s:
-                self.gave_up += 1
                 break
-        self.waits += 1
         self.spent_s += waited - 1.0  # the first second is the settle pause
         return waited
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "threshold_cores": QUIET_CORES,
-            "budget_s": self.budget_s,
-            "extra_wait_s": self.spent_s,
-            "waits": self.waits,
-            "gave_up": self.gave_up,
-        }

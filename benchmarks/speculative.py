@@ -1,43 +1,24 @@
-"""Benchmark: the modes issue 15 lifted, ours against stock vLLM side by side.
+"""Speculative decoding with limits, ours against stock vLLM.
 
-Speculative decoding (n-gram, 4 draft tokens, the tiny "echo" model, which
-predicts its input token, so drafts are accepted):
+n-gram speculation (``kinds.SPECULATION``) on the tiny "echo" model, which
+predicts its input token, so drafts are accepted:
 
-* ``step_cost`` (no server): one scheduler step with speculative decoding on
-  and no limit binding, ours / stock, on vLLM's real scheduler (the test
-  harness; synthetic drafts and acceptance), R requests over R/4 users, all
-  resident to the end (the KV cache is sized for the run). The median over
-  rounds of (ours / stock in the same round).
-* ``acceptance``: a user far below its limit, greedy then at temperature 1:
-  vLLM's own counters (accepted / draft tokens), on a stock and an ours
-  server up at once (each model worker on its own core), in alternating
-  rounds of 16 requests of 200 tokens: per server the pooled rate and the
-  rounds' mean and spread, and ours' throttled request-steps (0: the user
-  really is below its limit). At temperature 1 the rate differs between
-  server instances far more than between rounds (measured 0.2 % to 24 %
-  over ten instances, stock 0.2-7 %, ours 2-24 %, each steady within a few
-  points over its rounds): one instance each cannot compare the plugin
-  with stock there, so only the greedy ratio is judged.
-* ``accuracy``: users at 20 and 100 tok/s with 4 streams each at temperature
-  1 (so drafts are rejected): delivered / limit at the engine (the dispatch
-  log: the tokens each user received, stamped when the limiter admitted
-  them), and the bound ``(W + 0.1) x limit + 1`` on every window, exactly.
-* ``throughput``: output tokens/s of 8 streams far below their limits, ours
-  / stock (engine counter ``vllm:generation_tokens_total`` over each round),
-  on the same two servers in alternating rounds (measured one server after
-  the other, the machine's noise made it 0.646 in one run). Context only:
-  single rounds differ up to 2x here.
-* ``engine``: the throughput target, judged without the HTTP front end:
-  ``engine_throughput``'s paired rounds through vLLM's ``LLM``, greedy, the
-  same speculation, stock against ours.
+* ``step_cost`` (no server): one scheduler step with speculation on and no
+  limit binding, ours / stock on vLLM's real scheduler (the test harness;
+  synthetic drafts and acceptance), R requests over R/4 users, the median
+  over rounds of ours / stock in the same round: ``schedule()`` alone (what
+  the engine waits for), and with the settling in ``get_grammar_bitmask()``
+  and ``update_from_output()``;
+* ``engine``: ``engine_throughput``'s ``speculative`` pair;
+* ``servers``: a stock and an ours server up at once (each model worker on
+  its own core): draft acceptance of a user far below its limit, greedy and
+  at temperature 1, from vLLM's own counters, in alternating rounds; then on
+  ours users at 20 and 100 tok/s with 4 streams each at temperature 1
+  (drafts rejected): delivered / limit at the engine (the dispatch log) and
+  the bound ``(W + 0.1) x limit + 1`` over every window, exactly.
 
-Hybrid and multimodal models, pipeline parallelism and LoRA are measured at
-scheduler level by their tests only (tests/scheduling/test_model_kinds.py):
-vLLM's CPU build here runs none of them end to end.
-
-Usage::
-
-    python -m benchmarks.speculative [--quick] [--json PATH] [--markdown PATH]
+Alone: ``PYTHONPATH=tests:. python -m benchmarks.speculative [--quick]
+[--no-servers]`` (prints the results as JSON).
 """
 
 from __future__ import annotations
@@ -46,23 +27,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
-import time
 import zlib
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engine_throughput import engine_throughput
+from benchmarks.kinds import DRAFT_TOKENS, SPECULATION
 from benchmarks.measure import median_us, metric_totals
 
-DRAFT_TOKENS = 4
-SPECULATION = {
-    "method": "ngram",
-    "num_speculative_tokens": DRAFT_TOKENS,
-    "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2,
-}
 PROMPT = "The quick brown fox jumps over the lazy dog near the quiet river bank."
 LIMITED = {"at-20": 20, "at-100": 100}
 FREE_LIMIT = 1e6
@@ -91,7 +66,6 @@ def _blocks_for(requests: int, rounds: int, block_size: int) -> int:
 
 
 def step_cost(model: str, quick: bool) -> dict[str, Any]:
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from harness.scheduler_sim import BLOCK_SIZE, make_scheduler
 
     results = {}
@@ -156,41 +130,18 @@ def step_cost(model: str, quick: bool) -> dict[str, Any]:
 # ----- servers ----------------------------------------------------------------
 
 
-def _load(url: str, model: str, users: list[Any], seconds: float, **body: Any):
-    from vllm_output_rate.loadtest import LoadSpec, run_load_sync
-
-    spec = LoadSpec(
-        base_url=url,
-        model=model,
-        users=users,
-        prompt=PROMPT,
-        max_tokens=200,
-        duration_s=seconds,
-        extra_body=body,
-    )
-    result = run_load_sync(spec)
-    if not result.ok:
-        raise RuntimeError(result.error_summary())
-    return result
-
-
-def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
-
-
 # Draft acceptance: rounds of this many requests (200 tokens each, 2 at a
-# time) of a user far below its limit, on both servers in turn.
+# time) of a user far below its limit, on both servers in turn. Seeded
+# requests do not help: two stock servers given the same seeds did not
+# produce the same drafts.
 ACCEPTANCE_ROUNDS = 6
 ACCEPTANCE_REQUESTS = 16
-# Server throughput: rounds of ``_throughput`` on both servers in turn.
-THROUGHPUT_ROUNDS = 6
-# (label, temperature). Seeded requests were tried too: two stock servers
-# given the same seeds did not produce the same drafts, so seeds do not make
-# the servers comparable request by request.
-ACCEPTANCE_MODES = (("greedy", 0.0), ("temperature 1", 1.0))
-_DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
-_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-_THROTTLED = "vllm:output_rate_throttled_request_steps_total"
+ACCEPTANCE_MODES = {"greedy": 0.0, "temperature 1": 1.0}
+COUNTERS = {
+    "drafted": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "throttled_request_steps": "vllm:output_rate_throttled_request_steps_total",
+}
 
 
 def _complete(url: str, model: str, bodies: list[dict[str, Any]]) -> None:
@@ -205,7 +156,7 @@ def _complete(url: str, model: str, bodies: list[dict[str, Any]]) -> None:
     with httpx.Client(base_url=url, timeout=300, limits=no_reuse) as client:
 
         def post(body: dict[str, Any]) -> None:
-            response = client.post(
+            client.post(
                 "/v1/completions",
                 json={
                     "model": model,
@@ -213,98 +164,44 @@ def _complete(url: str, model: str, bodies: list[dict[str, Any]]) -> None:
                     "max_tokens": 200,
                     "ignore_eos": True,
                     "vllm_xargs": {"output_rate_user": "free"},
-                    **body,
-                },
-            )
-            response.raise_for_status()
+                }
+                | body,
+            ).raise_for_status()
 
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(post, bodies))
 
 
-def _acceptance_round(url: str, model: str, temperature: float) -> dict[str, float]:
-    """One round on one server: its counters' deltas over the requests."""
-    before = metric_totals(url)
-    _complete(url, model, [{"temperature": temperature}] * ACCEPTANCE_REQUESTS)
-    after = metric_totals(url)
-    return {
-        "drafted": _delta(after, before, _DRAFTED),
-        "accepted": _delta(after, before, _ACCEPTED),
-        "throttled_request_steps": _delta(after, before, _THROTTLED),
-    }
-
-
-def acceptance_rate(rounds: list[dict[str, float]]) -> float:
-    """Accepted / drafted over all of the rounds (pooled)."""
-    drafted = sum(r["drafted"] for r in rounds)
-    return sum(r["accepted"] for r in rounds) / drafted if drafted else float("nan")
-
-
-def _in_turn(urls: dict[str, str], number: int) -> list[str]:
-    """The servers' order in round ``number``: it swaps every round, so
-    that the machine's noise falls on both alike."""
-    return list(urls) if number % 2 == 0 else list(reversed(urls))
-
-
 def _acceptance(urls: dict[str, str], model: str, rounds: int) -> dict[str, Any]:
-    """Draft acceptance of a user far below its limit on both servers, in
-    alternating rounds (the order swaps every round): per mode and server,
-    each round's counts, the pooled rate, and the rounds' mean and spread."""
+    """Per mode and server: each round's counter deltas and acceptance
+    rate, the rate pooled over the rounds and the rounds' range. The
+    servers take turns, the order swapping every round."""
     results: dict[str, Any] = {}
-    for label, temperature in ACCEPTANCE_MODES:
+    for mode, temperature in ACCEPTANCE_MODES.items():
         per_server: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
         for number in range(rounds):
-            for name in _in_turn(urls, number):
-                counts = _acceptance_round(urls[name], model, temperature)
-                counts["rate"] = (
-                    counts["accepted"] / counts["drafted"]
-                    if counts["drafted"]
-                    else float("nan")
-                )
+            for name in list(urls)[:: 1 if number % 2 == 0 else -1]:
+                before = metric_totals(urls[name])
+                bodies = [{"temperature": temperature}] * ACCEPTANCE_REQUESTS
+                _complete(urls[name], model, bodies)
+                after = metric_totals(urls[name])
+                counts = {
+                    key: after.get(metric, 0.0) - before.get(metric, 0.0)
+                    for key, metric in COUNTERS.items()
+                }
+                counts["rate"] = counts["accepted"] / max(counts["drafted"], 1.0)
                 per_server[name].append(counts)
-        results[label] = {
+        results[mode] = {
             name: {
                 "rounds": counts,
-                "rate": acceptance_rate(counts),
-                "mean": statistics.mean(r["rate"] for r in counts),
-                "stdev": (
-                    statistics.stdev(r["rate"] for r in counts)
-                    if len(counts) > 1
-                    else 0.0
-                ),
+                "rate": sum(r["accepted"] for r in counts)
+                / max(sum(r["drafted"] for r in counts), 1.0),
                 "min": min(r["rate"] for r in counts),
                 "max": max(r["rate"] for r in counts),
             }
             for name, counts in per_server.items()
         }
     return results
-
-
-def _throughput(url: str, model: str, seconds: float) -> float:
-    """One round: output tokens/s of 8 streams far below their limits
-    (greedy), from the engine's counter over the round."""
-    from vllm_output_rate.loadtest import UserLoad
-
-    before, started = metric_totals(url), time.monotonic()
-    users = [UserLoad(f"free-{i}", 2) for i in range(4)]
-    _load(url, model, users, seconds, temperature=0.0)
-    elapsed = time.monotonic() - started
-    return _delta(metric_totals(url), before, "vllm:generation_tokens_total") / elapsed
-
-
-def _throughput_rounds(
-    urls: dict[str, str], model: str, seconds: float, rounds: int
-) -> dict[str, Any]:
-    """``_throughput`` on both servers in alternating rounds (``_in_turn``):
-    each round's figures, and each server's mean."""
-    per_round = [
-        {name: _throughput(urls[name], model, seconds) for name in _in_turn(urls, i)}
-        for i in range(rounds)
-    ]
-    return {
-        "rounds": per_round,
-        **{name: statistics.mean(r[name] for r in per_round) for name in urls},
-    }
 
 
 # The dispatch log stamps tokens with the clock reading of their step's
@@ -347,38 +244,29 @@ def _accuracy(log_path: str) -> dict[str, dict[str, float]]:
 
 
 def _server_args() -> dict[str, list[str]]:
-    """Each server's flags: stock, and ours with every user far below its
-    limit except the two of the accuracy part."""
-    stock = [
-        "--speculative-config",
-        json.dumps(SPECULATION),
-        "--max-num-seqs",
-        "16",
-    ]
-    limits = {**LIMITED, **{f"free-{i}": FREE_LIMIT for i in range(4)}}
+    """Stock's flags, and ours' with every user far below its limit except
+    the two of the accuracy part."""
+    stock = ["--speculative-config", json.dumps(SPECULATION), "--max-num-seqs", "16"]
     ours = [
         *stock,
         "--default-user-output-tokens-per-second",
         str(FREE_LIMIT),
         "--user-output-tokens-per-second",
-        json.dumps(limits),
+        json.dumps(LIMITED),
     ]
     return {"stock": stock, "ours": ours}
 
 
-STOCK_ENV = {"VLLM_PLUGINS": ""}
-
-
 @contextmanager
-def _server_pair(model: str, work_dir: Path, dispatch_log: str | None = None):
+def _server_pair(model: str, work_dir: Path, dispatch_log: str) -> Iterator[dict]:
     """A stock and an ours server up at once, each model worker on its own
-    core, both warmed up; ``dispatch_log``: ours writes one."""
+    core, both warmed up; ours writes its dispatch log."""
     from vllm_output_rate.demo.server import running_server
 
     args = _server_args()
     envs = {
-        "stock": STOCK_ENV,
-        "ours": {"VLLM_OUTPUT_RATE_DISPATCH_LOG": dispatch_log} if dispatch_log else {},
+        "stock": {"VLLM_PLUGINS": ""},
+        "ours": {"VLLM_OUTPUT_RATE_DISPATCH_LOG": dispatch_log},
     }
     with ExitStack() as stack:
         urls = {
@@ -397,105 +285,58 @@ def _server_pair(model: str, work_dir: Path, dispatch_log: str | None = None):
         yield urls
 
 
-def acceptance(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
-    """``_acceptance`` on a server pair (``_server_pair``)."""
-    with _server_pair(model, work_dir) as urls:
-        return _acceptance(urls, model, 2 if quick else ACCEPTANCE_ROUNDS)
-
-
 def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
-    """On one server pair: acceptance, throughput in alternating rounds
-    (ours writes its dispatch log throughout, which it needs for the
-    accuracy part: a cost counted against ours), then accuracy on ours."""
-    from vllm_output_rate.loadtest import UserLoad
+    """On one server pair: acceptance in alternating rounds, then accuracy
+    on ours (its dispatch log is complete once the server stopped)."""
+    from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync
 
-    seconds = 4 if quick else 6
     log_path = str(work_dir / "dispatch.csv")
     results: dict[str, Any] = {}
-    with _server_pair(model, work_dir, dispatch_log=log_path) as urls:
+    with _server_pair(model, work_dir, log_path) as urls:
         results["acceptance"] = _acceptance(
             urls, model, 2 if quick else ACCEPTANCE_ROUNDS
         )
-        throughput = _throughput_rounds(
-            urls, model, seconds, 2 if quick else THROUGHPUT_ROUNDS
+        load = run_load_sync(
+            LoadSpec(
+                base_url=urls["ours"],
+                model=model,
+                users=[UserLoad(u, 4, limit) for u, limit in LIMITED.items()],
+                prompt=PROMPT,
+                max_tokens=200,
+                duration_s=8 if quick else 20,
+                extra_body={"temperature": 1.0},
+            )
         )
-        results["throughput_rounds"] = throughput["rounds"]
-        for name in urls:
-            results[name] = {"throughput_tok_s": throughput[name]}
-        users = [UserLoad(u, 4, limit) for u, limit in LIMITED.items()]
-        _load(urls["ours"], model, users, 20 if not quick else 8, temperature=1.0)
-    results["accuracy"] = _accuracy(log_path)  # written when the server stopped
+        if not load.ok:
+            raise RuntimeError(load.error_summary())
+    results["accuracy"] = _accuracy(log_path)
     return results
 
 
 def run(quick: bool, work_dir: Path) -> dict[str, Any]:
-    """Everything above, for ``make bench`` (``benchmarks.suite``)."""
+    """Everything above, for ``make bench``."""
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    echo = str(build_tiny_model(variant="echo"))
     return {
         "step_cost": step_cost(str(build_tiny_model()), quick),
-        "engine": engine(echo, quick, work_dir),
-        "servers": servers(echo, quick, work_dir),
+        "engine": engine_throughput("speculative", work_dir / "engine", quick),
+        "servers": servers(str(build_tiny_model(variant="echo")), quick, work_dir),
     }
-
-
-def engine(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
-    """Throughput with speculation and limits far above demand without the
-    HTTP front end (``engine_throughput``'s paired rounds): the servers'
-    rounds differ by up to 2x from one to the next on this machine."""
-    from benchmarks.engine_throughput import SPECULATIVE_KINDS, engine_throughput
-
-    engine_dir = work_dir / "engine"
-    engine_dir.mkdir(exist_ok=True)
-    return engine_throughput(
-        model, engine_dir, settle=lambda: 0.0, quick=quick, kinds=SPECULATIVE_KINDS
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-servers", action="store_true", help="step cost only")
-    parser.add_argument(
-        "--acceptance-only",
-        action="store_true",
-        help="draft acceptance only (its two servers), no step cost",
-    )
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
     from vllm_output_rate.demo.tiny_model import build_tiny_model
 
-    results: dict[str, Any] = {
-        "command": "python -m benchmarks.speculative " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    if args.acceptance_only:
-        work_dir = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
-        echo = str(build_tiny_model(variant="echo"))
-        results["acceptance"] = acceptance(echo, args.quick, work_dir)
-        results["work_dir"] = str(work_dir)
-        text = json.dumps(results, indent=2)
-        print(text)
-        if args.json:
-            args.json.write_text(text)
-        return 0
-    results["step_cost"] = step_cost(str(build_tiny_model()), args.quick)
-    if not args.no_servers:
-        work_dir = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
-        echo = str(build_tiny_model(variant="echo"))
-        results["servers"] = servers(echo, args.quick, work_dir)
-        results["work_dir"] = str(work_dir)
-    from benchmarks.report.speculative import table
-
-    text = table(results)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
-    if args.markdown:
-        args.markdown.write_text(text)
+    if args.no_servers:
+        results = {"step_cost": step_cost(str(build_tiny_model()), args.quick)}
+    else:
+        results = run(args.quick, Path(tempfile.mkdtemp(prefix="bench-speculative-")))
+    print(json.dumps(results, indent=1))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark-only: time ``schedule()`` inside a running engine core.
 
-The scheduler benchmark (section 2) runs steps back to back, with warm
+The scheduler step benchmark runs steps back to back, with warm
 caches; inside an engine, the engine core waits for the model between steps
 and its caches go cold, so the same code costs more there. The engine
 throughput benchmark installs this module in its engine processes through a
@@ -10,8 +10,7 @@ its scheduler, that instance's ``schedule`` (the whole call, ours included),
 ``get_grammar_bitmask`` (where ours settles the step, while the worker runs
 it), ``update_from_output`` and the engine core's whole step, and writes the
 running totals to a JSON file every ``WRITE_EVERY`` steps and when the
-scheduler shuts down. In the model worker's process it times the model
-runner's side of the step (a second file, ``WORKER_SUFFIX``).
+scheduler shuts down.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ from benchmarks.hooks import hook_source
 
 PATH_ENV = "VLLM_OUTPUT_RATE_BENCH_STEP_TIMING"
 WRITE_EVERY = 256
-WORKER_SUFFIX = ".worker"
-WORKER_KEYS = ("executes", "execute_ns", "update_states_ns", "forward_ns")
 
 HOOK_NAME = "step-timing"
 # Put on PYTHONPATH as sitecustomize.py (benchmarks.hooks): runs at start-up
@@ -92,7 +89,6 @@ def install(path: str) -> None:
             write()
 
     Scheduler.schedule = _timed(Scheduler.schedule, adder("vllm_schedule_ns"))
-    _install_worker(path + WORKER_SUFFIX)
     engine_init = EngineCore.__init__
 
     @functools.wraps(engine_init)
@@ -122,49 +118,18 @@ def install(path: str) -> None:
     EngineCore.__init__ = init
 
 
-def _install_worker(path: str) -> None:
-    """The model runner's side of a step, in the process that runs it (the
-    model worker): its whole ``execute_model``, the persistent batch's
-    update for the step's changes (``_update_states``) and the model's
-    forward pass, written to ``path`` every ``WRITE_EVERY`` steps."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # CPU's base
-
-    totals = dict.fromkeys(WORKER_KEYS, 0)
-
-    def adder(key: str) -> Callable[[int], None]:
-        def add(elapsed_ns: int) -> None:
-            totals[key] += elapsed_ns
-            if key == "execute_ns":
-                totals["executes"] += 1
-                if totals["executes"] % WRITE_EVERY == 0:
-                    with open(path + ".tmp", "w") as out:
-                        json.dump(totals, out)
-                    os.replace(path + ".tmp", path)
-
-        return add
-
-    for name, key in (
-        ("execute_model", "execute_ns"),
-        ("_update_states", "update_states_ns"),
-        ("_model_forward", "forward_ns"),
-    ):
-        setattr(GPUModelRunner, name, _timed(getattr(GPUModelRunner, name), adder(key)))
-
-
 def read(path: str) -> dict[str, float] | None:
     """µs per step: ``schedule`` (the whole call), ``vllm_schedule`` (vLLM's
     own part of it), ``update`` (update_from_output), ``bitmask``
     (get_grammar_bitmask: ours settles the step there) and ``engine_step``
-    (the engine core's whole step), and when the worker's file is there the
-    model runner's ``worker_execute``, ``worker_update_states`` and
-    ``worker_forward``; or None if nothing was written."""
+    (the engine core's whole step); or None if nothing was written."""
     try:
         with open(path) as source:
             totals = json.load(source)
     except (OSError, ValueError):
         return None
     steps = totals["steps"]
-    figures = {
+    return {
         "steps": steps,
         "schedule_us": totals["schedule_ns"] / steps / 1e3,
         "vllm_schedule_us": totals["vllm_schedule_ns"] / steps / 1e3,
@@ -174,12 +139,3 @@ def read(path: str) -> dict[str, float] | None:
         / max(totals["engine_steps"], 1)
         / 1e3,
     }
-    try:
-        with open(path + WORKER_SUFFIX) as source:
-            worker = json.load(source)
-    except (OSError, ValueError):
-        return figures
-    executes = max(worker["executes"], 1)
-    for key in ("execute", "update_states", "forward"):
-        figures[f"worker_{key}_us"] = worker[f"{key}_ns"] / executes / 1e3
-    return figures

@@ -1,20 +1,17 @@
-"""Run the selected benchmarks, in order, and return everything they measured
-as one JSON-able dict (the raw results, ``results.json``): what ran, on what
-machine and versions, each benchmark's results or why it did not run, how
-busy the rest of the machine was meanwhile, and the servers' start-up times.
-The report (``benchmarks.report``) is made from this dict alone.
+"""The sections of ``make bench``, in the order they run, and the loop that
+runs a selection of them.
 
-Order: ``scheduler_cost``, ``engine_modes``, ``store``, ``speculative`` and
-``fair_shares`` first (no shared server; ``store`` starts its own
-redis-server and engines, ``speculative`` its own servers with speculation
-on, ``fair_shares`` its own saturated servers), then the server benchmarks,
-which share one pool of servers: each server starts once, before the first
-benchmark that needs it, and stops after the last.
+Every section but the last two starts what it needs itself (engines,
+servers, a redis-server); ``isolation`` and ``accuracy`` share one pool of
+vLLM servers (``servers``). A section that raises is recorded with its error
+and the others go on. Beside each section's results: the seconds it took
+and how many cores the rest of the machine used meanwhile (``noise``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 import traceback
@@ -23,182 +20,102 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks import checkout
-from benchmarks.accuracy import accuracy
-from benchmarks.idle import idle
-from benchmarks.isolation import isolation
-from benchmarks.metrics_scrape import metrics_scrape_bench
-from benchmarks.noise import NoiseMonitor
-from benchmarks.progress import log
-from benchmarks.servers import ServerPool, common_flags
-from benchmarks.throughput import throughput
-
-ORDER = (
-    "scheduler_cost",
-    "engine_modes",
-    "store",
-    "speculative",
-    "fair_shares",
-    "throughput",
-    "isolation",
-    "idle",
-    "accuracy",
-    "metrics_scrape",
+from benchmarks import (
+    accuracy,
+    admission,
+    cache_salt,
+    checkout,
+    fair_shares,
+    isolation,
+    scheduler_cost,
+    speculative,
+    store,
 )
+from benchmarks.engine_throughput import engine_throughput
+from benchmarks.measure import log
+from benchmarks.noise import NoiseMonitor
+from benchmarks.servers import ServerPool, common_flags
 
-ServerBenchmark = Callable[[ServerPool, bool], dict[str, Any]]
-SERVER_BENCHMARKS: dict[str, ServerBenchmark] = {
-    "throughput": throughput,
-    "isolation": isolation,
-    "idle": idle,
-    "accuracy": accuracy,
-    "metrics_scrape": metrics_scrape_bench,
-}
-SERVERS_NEEDED: dict[str, set[str]] = {
-    "scheduler_cost": set(),
-    "engine_modes": set(),
-    "store": set(),  # starts its own redis-server and engines
-    "speculative": set(),  # starts its own servers (speculation on)
-    "fair_shares": set(),  # starts its own servers (few active slots)
-    "throughput": {"stock", "ours"},
-    "isolation": {"stock", "ours"},
-    "idle": {"stock", "ours", "ours-nowait"},
-    "accuracy": {"ours"},
-    "metrics_scrape": set(),  # starts its own server
-}
-STARTUP = "server start-up"  # the noise monitor's period while servers start
+THROUGHPUT_PAIRS = ("plain", "hybrid")  # kinds.PAIRS judged in "throughput"
+
+Measure = Callable[[bool, Path], dict[str, Any]]
 
 
-def _scheduler_cost(quick: bool) -> dict[str, Any]:
-    from benchmarks import scheduler_cost
-
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout
-        return scheduler_cost.run(quick=quick)
-
-
-def _engine_modes(quick: bool, work_dir: Path) -> dict[str, Any]:
-    from benchmarks import engine_modes
-    from vllm_output_rate.demo.tiny_model import build_tiny_model
-
-    with contextlib.redirect_stdout(sys.stderr):
-        return engine_modes.run(
-            str(build_tiny_model()), quick=quick, work_dir=work_dir / "engine_modes"
-        )
-
-
-def _store(quick: bool, work_dir: Path) -> dict[str, Any]:
-    from benchmarks import store
-
-    with contextlib.redirect_stdout(sys.stderr):
-        return store.run(quick=quick, engines=True, work_dir=work_dir / "store")
-
-
-def _speculative(quick: bool, work_dir: Path) -> dict[str, Any]:
-    from benchmarks import speculative
-
-    with contextlib.redirect_stdout(sys.stderr):
-        return speculative.run(quick=quick, work_dir=work_dir / "speculative")
-
-
-def _fair_shares(quick: bool, work_dir: Path) -> dict[str, Any]:
-    from benchmarks import fair_shares
-
-    with contextlib.redirect_stdout(sys.stderr):
-        return fair_shares.run(quick=quick, work_dir=work_dir / "fair_shares")
-
-
-def _error(exc: BaseException) -> str:
-    traceback.print_exc()
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _servers(
-    names: Sequence[str],
-    quick: bool,
-    work_dir: Path,
-    noise: NoiseMonitor,
-    done: dict[str, Any],
-    errors: dict[str, str],
-) -> ServerPool:
-    """Run the server benchmarks ``names`` on one pool (returned, closed)."""
-    from vllm_output_rate.demo.tiny_model import build_tiny_model
-
-    pool = ServerPool(str(build_tiny_model()), work_dir, quick=quick)
-    with pool:
-        noise.mark(STARTUP)
-        try:
-            pool.start(*sorted(set().union(*(SERVERS_NEEDED[n] for n in names))))
-        except Exception as exc:
-            why = f"servers did not start: {_error(exc)}"
-            errors.update(dict.fromkeys(names, why))
-            return pool
-        for k, name in enumerate(names):
-            noise.mark(name)
-            started = time.monotonic()
-            try:
-                done[name] = SERVER_BENCHMARKS[name](pool, quick)
-            except Exception as exc:
-                errors[name] = _error(exc)
-            log(f"{name}: {time.monotonic() - started:.0f} s")
-            later = set().union(*(SERVERS_NEEDED[n] for n in names[k + 1 :]))
-            for server in sorted(SERVERS_NEEDED[name] - later):
-                pool.stop(server)
-    return pool
-
-
-def run(
-    selected: Sequence[str], quick: bool, work_dir: Path, command: str
-) -> dict[str, Any]:
-    """Run ``selected`` (names from ORDER) and return the raw results.
-
-    A benchmark that raises is recorded under ``errors`` and the others go
-    on; Ctrl-C stops the servers and propagates."""
-    root = checkout.repo_root()
-    started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    started = time.monotonic()
-    done: dict[str, Any] = {}
-    errors: dict[str, str] = {}
-    pool: ServerPool | None = None
-    noise = NoiseMonitor()
-    noise.start()
-    try:
-        alone: dict[str, Callable[[], dict[str, Any]]] = {
-            "scheduler_cost": lambda: _scheduler_cost(quick),
-            "engine_modes": lambda: _engine_modes(quick, work_dir),
-            "store": lambda: _store(quick, work_dir),
-            "speculative": lambda: _speculative(quick, work_dir),
-            "fair_shares": lambda: _fair_shares(quick, work_dir),
-        }
-        for name, measure in alone.items():  # each starts what it needs
-            if name not in selected:
-                continue
-            noise.mark(name)
-            t0 = time.monotonic()
-            try:
-                done[name] = measure()
-            except Exception as exc:
-                errors[name] = _error(exc)
-            log(f"{name}: {time.monotonic() - t0:.0f} s")
-        names = [n for n in ORDER if n in selected and n in SERVER_BENCHMARKS]
-        if names:
-            pool = _servers(names, quick, work_dir, noise, done, errors)
-    except KeyboardInterrupt:
-        log("interrupted: servers stopped")
-        raise
-    finally:
-        noise.stop()
+def _throughput(quick: bool, work_dir: Path) -> dict[str, Any]:
     return {
+        "pairs": {
+            pair: engine_throughput(pair, work_dir / pair, quick)
+            for pair in THROUGHPUT_PAIRS
+        }
+    }
+
+
+SECTIONS: dict[str, Measure] = {
+    "scheduler_cost": lambda quick, _: scheduler_cost.run(quick=quick),
+    "throughput": _throughput,
+    "store": lambda quick, work_dir: store.run(quick, True, work_dir),
+    "speculative": speculative.run,
+    "fair_shares": fair_shares.run,
+    "admission": admission.run,
+    "cache_salt": cache_salt.run,
+}
+ON_SERVERS: dict[str, Callable[[ServerPool, bool], dict[str, Any]]] = {
+    "isolation": isolation.isolation,
+    "accuracy": accuracy.accuracy,  # last: it stops ours to read its log
+}
+ORDER = (*SECTIONS, *ON_SERVERS)
+
+
+def run_info(command: str, quick: bool) -> dict[str, Any]:
+    """What a run's sections have in common: when, what and where."""
+    machine = checkout.machine()
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": checkout.commit(),
         "command": command,
         "quick": quick,
-        "benchmarks": [n for n in ORDER if n in selected],
-        "started_utc": started_utc,
-        "elapsed_s": time.monotonic() - started,
-        "machine": checkout.machine(),
-        "versions": checkout.versions(root),
+        "machine": f"{machine['cpu_model']}, {machine['cores']} cores",
+        "versions": checkout.versions(),
         "servers": common_flags(),
-        "errors": errors,
-        "noise": {n: noise.summary(n) for n in [*ORDER, STARTUP]},
-        "server_start_s": pool.start_times_s if pool else {},
-        "quiet_gate": pool.gate.summary() if pool else None,
-        "results": done,
     }
+
+
+def run(selected: Sequence[str], quick: bool, work_dir: Path) -> dict[str, Any]:
+    """Run ``selected`` (names from ORDER), in ORDER; each name's outcome:
+    ``results`` or ``error``, with ``elapsed_s`` and ``noise_cores``."""
+    outcomes: dict[str, Any] = {}
+    noise = NoiseMonitor()
+    noise.start()
+
+    def measure(name: str, body: Callable[[], dict[str, Any]]) -> None:
+        noise.mark(name)
+        started = time.monotonic()
+        try:
+            # vLLM logs to stdout; keep it for the command's own output.
+            with contextlib.redirect_stdout(sys.stderr):
+                outcome: dict[str, Any] = {"results": body()}
+        except Exception as exc:
+            traceback.print_exc()
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        outcome["elapsed_s"] = time.monotonic() - started
+        outcomes[name] = outcome
+        log(f"{name}: {outcome['elapsed_s']:.0f} s")
+
+    try:
+        for name in (n for n in SECTIONS if n in selected):
+            measure(name, functools.partial(SECTIONS[name], quick, work_dir / name))
+        on_servers = [n for n in ON_SERVERS if n in selected]
+        if on_servers:
+            from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+            with ServerPool(
+                str(build_tiny_model()), work_dir / "servers", quick
+            ) as pool:
+                for name in on_servers:
+                    measure(name, functools.partial(ON_SERVERS[name], pool, quick))
+    finally:
+        noise.stop()
+    for name, outcome in outcomes.items():
+        summary = noise.summary(name)
+        outcome["noise_cores"] = summary["others_cores"] if summary else None
+    return outcomes

@@ -29,6 +29,11 @@ from vllm_output_rate.validation import (
         (None, "must be a string"),
         ("", "must not be empty"),
         ("x" * (MAX_USER_NAME_LENGTH + 1), "the limit is 256"),
+        ("tab\there", "control character"),
+        ("nul\x00", "control character"),
+        ("esc\x1b[2J", "control character"),
+        ("del\x7f", "control character"),
+        ("c1\x9b", "control character"),
     ],
 )
 def test_one_rule_for_user_names_everywhere(name: object, message: str) -> None:
@@ -41,6 +46,11 @@ def test_one_rule_for_user_names_everywhere(name: object, message: str) -> None:
     if isinstance(name, str):
         with pytest.raises(ValueError, match=message):
             OutputRateLimiter(1, {name: 1})
+
+
+def test_names_may_hold_any_printable_text() -> None:
+    for name in ("user-a", "alice@example.com", "Zoë 🙂", "a b", "x" * 256):
+        assert validate_user_name(name) == name
 
 
 def test_the_longest_allowed_name_is_accepted_everywhere() -> None:

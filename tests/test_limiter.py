@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from harness.bounds import assert_window_bound
 from harness.fake_clock import FakeClock
-from vllm_output_rate.limiter import NS_PER_SECOND, OutputRateLimiter
+from vllm_output_rate.exact_rate import NS_PER_SECOND
+from vllm_output_rate.limiter import OutputRateLimiter
 
 BURST_NS = 100_000_000
 MS = 1_000_000
@@ -328,11 +329,12 @@ class ReferenceGcra:
     def set_rate(self, user: str | None, rate: float) -> None:
         """A rate change keeps each affected user's due time, rounded up to
         the nanosecond."""
-        affected = [u for u in self.tat if (u in self.rates) == (user is not None)]
         if user is not None:
-            affected = [u for u in affected if u == user]
+            # Whether it had its own rate or the default, its rate changes.
+            affected = [u for u in self.tat if u == user]
             self.rates[user] = Fraction(repr(rate))
         else:
+            affected = [u for u in self.tat if u not in self.rates]
             self.default = Fraction(repr(rate))
         for u in affected:
             due_ns = math.ceil(self.tat[u] * NS_PER_SECOND)

@@ -20,6 +20,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from harness.scheduler_sim import make_scheduler
 from vllm_output_rate import seams as seams_module
+from vllm_output_rate import seams_check
 from vllm_output_rate.integration.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateMixin,
@@ -46,7 +47,7 @@ LIMITS = {"default_user_output_tokens_per_second": 10}
 
 
 def test_seams_exist_with_the_expected_signatures() -> None:
-    seams_module.verify_seams(api=True, imports=True)
+    seams_check.verify_seams(api=True, imports=True)
 
 
 def test_a_moved_seam_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +55,7 @@ def test_a_moved_seam_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delattr(Scheduler, "_reserve_prefill_lookahead")
     with pytest.raises(seams_module.SeamMovedError, match="_reserve_prefill"):
-        seams_module.verify_seams(api=False)
+        seams_check.verify_seams(api=False)
 
 
 def test_a_lost_prefill_chunk_flag_fails_loudly(
@@ -68,7 +69,7 @@ def test_a_lost_prefill_chunk_flag_fails_loudly(
 
     monkeypatch.setattr(Scheduler, "_update_after_schedule", update_after_schedule)
     with pytest.raises(seams_module.SeamMovedError, match="is_prefill_chunk"):
-        seams_module.verify_seams(api=False)
+        seams_check.verify_seams(api=False)
 
 
 def test_the_overrides_are_exactly_the_listed_seams() -> None:
@@ -103,7 +104,7 @@ def test_a_real_scheduler_has_every_declared_host_attribute(
     tiny_model_path: str,
 ) -> None:
     scheduler = make_scheduler(tiny_model_path, limits=None).scheduler
-    seams_module.check_host(scheduler)
+    seams_check.check_host(scheduler)
     for name in seams_module.HOST_ATTRIBUTES:
         assert hasattr(scheduler, name), name
 
@@ -113,7 +114,7 @@ def test_a_scheduler_without_a_declared_attribute_is_refused() -> None:
         running = ()
 
     with pytest.raises(seams_module.SeamMovedError, match="_inflight_prefills"):
-        seams_module.check_host(Stripped())
+        seams_check.check_host(Stripped())
 
 
 def test_our_request_tags_cannot_collide_with_vllms(tiny_model_path: str) -> None:
@@ -138,7 +139,7 @@ def test_a_path_into_the_engine_around_the_funnel_fails_loudly(
 
     monkeypatch.setattr(AsyncLLM, "submit_directly", submit_directly, raising=False)
     with pytest.raises(seams_module.SeamMovedError, match="submit_directly"):
-        seams_module.verify_seams(api=True)
+        seams_check.verify_seams(api=True)
 
 
 def test_a_changed_funnel_signature_fails_loudly(
@@ -150,7 +151,7 @@ def test_a_changed_funnel_signature_fails_loudly(
 
     monkeypatch.setattr(AsyncLLM, "add_request", add_request)
     with pytest.raises(seams_module.SeamMovedError, match="add_request"):
-        seams_module.verify_seams(api=True)
+        seams_check.verify_seams(api=True)
 
 
 def test_no_api_route_talks_to_the_engine_core_directly() -> None:
@@ -176,7 +177,7 @@ def test_a_changed_preemption_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(Scheduler, "_preempt_request", preempt_request)
     with pytest.raises(seams_module.SeamMovedError, match="_preempt_request"):
-        seams_module.verify_seams(api=False)
+        seams_check.verify_seams(api=False)
 
 
 def test_the_preemption_seam_is_vllms_recompute_preemption(
@@ -218,8 +219,8 @@ NEXT_SOURCE = Path(
 
 def test_the_static_check_reads_the_installed_vllm_like_the_live_one() -> None:
     static, live = StaticSource(INSTALLED), LiveSource()
-    assert seams_module.seam_problems(static, also_imports_of=OUR_CODE) == []
-    assert seams_module.seam_problems(live, also_imports_of=OUR_CODE) == []
+    assert seams_check.seam_problems(static, also_imports_of=OUR_CODE) == []
+    assert seams_check.seam_problems(live, also_imports_of=OUR_CODE) == []
     for module, path, _ in seams_module.EXPECTED_SIGNATURES:
         static_params = static.function(module, path).params
         live_params = live.function(module, path).params
@@ -249,11 +250,11 @@ def test_a_moved_seam_fails_the_static_check(tmp_path: Path) -> None:
     text = text.replace("def _reserve_prefill_lookahead(", "def _reserve_lookahead(")
     text = text.replace("request.append_output_token_ids(", "request.extend(")
     scheduler.write_text(text)
-    problems = seams_module.seam_problems(StaticSource(tmp_path), imports=False)
+    problems = seams_check.seam_problems(StaticSource(tmp_path), imports=False)
     assert any("_reserve_prefill_lookahead no longer exists" in p for p in problems)
     assert any("appends a step's tokens" in p for p in problems)
     with pytest.raises(seams_module.SeamMovedError, match="_reserve_prefill"):
-        seams_module.verify_seams(source=StaticSource(tmp_path))
+        seams_check.verify_seams(source=StaticSource(tmp_path))
 
 
 @pytest.mark.skipif(
@@ -264,7 +265,7 @@ def test_the_next_vllm_release_has_every_seam() -> None:
     """Every seam, and every vLLM name the package, its tests and its
     benchmarks import, in the next release's source."""
     source = StaticSource(NEXT_SOURCE)
-    assert seams_module.seam_problems(source, also_imports_of=OUR_CODE) == []
+    assert seams_check.seam_problems(source, also_imports_of=OUR_CODE) == []
 
 
 def test_every_request_field_the_policy_reads_is_checked(
@@ -277,5 +278,5 @@ def test_every_request_field_the_policy_reads_is_checked(
     monkeypatch.setattr(
         seams_module, "REQUEST_FIELDS", (*seams_module.REQUEST_FIELDS, "num_cats")
     )
-    problems = seams_module.seam_problems(LiveSource(), api=False, imports=False)
+    problems = seams_check.seam_problems(LiveSource(), api=False, imports=False)
     assert problems == ["no longer true: Request keeps num_cats"]

@@ -52,6 +52,18 @@ def test_rates_and_first_token_times_over_the_window() -> None:
     assert window.rows()[0].rate == pytest.approx(4 / 2)
 
 
+def test_admission_refusals_over_the_window() -> None:
+    window = Window(seconds=5.0)
+    window.add(Sample(1.0, {"a": user(10, rejections={"x": 2}), "b": user(5)}))
+    window.add(Sample(2.0, {"a": user(20, rejections={"x": 5, "y": 1}), "b": user(6)}))
+    found = {r.user: r.refused for r in window.rows()}
+    assert found == {"a": 4, "b": 0}
+    console = Console(width=120, height=10, force_terminal=True, record=True)
+    console.print(render(window.rows(), title="top"))
+    text = console.export_text()
+    assert "refused" in text and max(map(len, text.splitlines())) <= 120
+
+
 def rows(count: int) -> list[UserRow]:
     return [
         UserRow(f"user-{i:02d}", 20.0, 19.5, i % 2, 1000 + i, 0, 0.25, 0.0)

@@ -1,13 +1,10 @@
-"""Presenting: the raw results of a run (``results.json``, made by
-``benchmarks.suite``) as BENCHMARKS.md and its figures in ``docs/bench/``.
-Nothing here measures; everything here reads only the results dict, so a
-report can be re-rendered from a past run's ``results.json``
-(``python -m benchmarks --from-results PATH``).
+"""Presenting: the kept results (``benchmarks/results/latest.json``) as
+BENCHMARKS.md and its figures in ``docs/bench/``. Nothing here measures, and
+nothing here imports a measuring module: every function reads results dicts.
 
-``document`` assembles the file; one module per benchmark (``throughput``,
-``scheduler_cost``, ``idle``, ``isolation``, ``accuracy``, ``metrics_scrape``,
-``store``, ``speculative``) gives its
-``TITLE``, its ``summary_rows`` and its ``section`` (Markdown, with its
-figures); ``markdown`` and ``figures`` hold what they share; ``history.md``
-is the hand-kept history table the document ends with.
+``document`` assembles the file; one module per section (``throughput``,
+``scheduler_cost``, ``isolation``, ``accuracy``, ``store``, ``speculative``,
+``fair_shares``) gives its ``TITLE``, ``summary_rows``, ``headlines`` and
+``section``; ``history`` renders the history table; ``format`` holds what
+they share.
 """

@@ -1,245 +1,171 @@
-"""BENCHMARKS.md from the raw results (``suite.run``'s dict, ``results.json``).
+"""BENCHMARKS.md, whole, from the kept results of every section.
 
-The document: a header (command, machine, versions, date, the engine flags
-every server ran with), the summary table (one row per target, in run
-order), the noise line, how to read the server figures, one section per
-benchmark (numbered as in the summary; each section's module writes its own
-figures into the figures folder) and the hand-kept history
-(``history.md``). A benchmark that did not run gets a row and a section
-saying why; a summary row or a section that fails to format says so and the
-rest is kept.
+Input: section name -> its latest entry (``results.load_latest``: the run
+that measured it, and its results or error) and the history rows. Output:
+a header (what is compared, on what, how to run it), the summary table (one
+row per target), one part per section, each opening with the one line that
+names its run, and the history table. A section never measured, or whose
+run failed, says so; one that cannot be formatted says that and the rest is
+kept. Each section module gives ``TITLE``, ``summary_rows``, ``headlines``
+and ``section`` (Markdown, writing its figures into the figures folder).
 """
 
 from __future__ import annotations
 
 import shlex
-from datetime import datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from benchmarks.report import (
     accuracy,
-    engine_modes,
+    admission,
+    cache_salt,
     fair_shares,
-    idle,
+    history,
     isolation,
-    metrics_scrape,
     scheduler_cost,
     speculative,
     store,
     throughput,
 )
-from benchmarks.report.markdown import verdict
+from benchmarks.report.format import verdict
 
 SECTIONS: dict[str, ModuleType] = {
-    "scheduler_cost": scheduler_cost,
     "throughput": throughput,
+    "scheduler_cost": scheduler_cost,
     "isolation": isolation,
-    "idle": idle,
     "accuracy": accuracy,
-    "metrics_scrape": metrics_scrape,
     "store": store,
     "speculative": speculative,
     "fair_shares": fair_shares,
-    "engine_modes": engine_modes,
+    "admission": admission,
+    "cache_salt": cache_salt,
 }
-SERVER_BENCHMARKS = (
-    "throughput",
-    "isolation",
-    "idle",
-    "accuracy",
-    "metrics_scrape",
-    "speculative",
-    "fair_shares",
-)
-HISTORY = Path(__file__).with_name("history.md")
-
-SLOW_STATE_NOTE = (
-    "How to read the server figures: on this 2-core machine each vLLM server "
-    "is three busy processes (API server; engine core; model worker, which "
-    "vLLM's CPU backend pins to core 0), and the engine core and the worker "
-    "busy-poll each other through shared memory (`sched_yield` loops; the "
-    "worker keeps polling for 1 s after every message). Runs of the same load "
-    "land in one of two states, for stock vLLM and for the plugin alike: a "
-    "normal one (thousands of tok/s with 32 streams) and a slow one (a few "
-    "hundred to a couple of thousand tok/s). Measured while investigating: in "
-    "the slow state the API server hands the engine 3-4 requests per second "
-    "(`--enable-log-requests`), each of which then decodes alone at full "
-    "speed, while the API server's event loop sits idle and the client holds "
-    "all its streams open; the engine core and the worker run at about 100 % "
-    "of a core each. It appeared with the rest of the machine idle, with the "
-    "API server at a higher priority, with processes pinned to either core, "
-    "with a shorter Python thread switch interval and with token-id prompts; "
-    "the same engine driven without HTTP (vLLM's `LLM` class) never showed it. "
-    "Its root cause, somewhere in vLLM's HTTP front end on this machine, was "
-    "not found. Server-level figures below can mix runs of both states: read "
-    "them as side-by-side ratios together with the noted states; section 1 "
-    "is judged on the engine without HTTP for this reason."
-)
 
 
-def _flags(servers: dict[str, Any]) -> str:
-    flags = " ".join(
-        name if value is True else f"{name} {shlex.quote(str(value))}"
-        for name, value in servers["flags"].items()
-    )
-    env = " ".join(f"{k}={v}" for k, v in servers["env"].items())
-    return f"`{flags}`" + (f", `{env}`" if env else "")
+def headline_row(run: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """The history row of one run: ``measured`` is section -> its results."""
+    row: dict[str, Any] = {
+        "date": run["date"],
+        "commit": run["commit"],
+        "sections": list(measured),
+    }
+    for name, results in measured.items():
+        try:
+            row.update(SECTIONS[name].headlines(results))
+        except Exception as exc:  # a broken formatter must not lose the run
+            row["note"] = f"{name}: no headline ({exc!r})"
+    return row
 
 
-def header(raw: dict[str, Any], rerendered_by: str | None = None) -> list[str]:
-    info, vers = raw["machine"], raw["versions"]
-    mem = info["memory_gib"]
-    started = datetime.fromisoformat(raw["started_utc"])
+def _latest_run(entries: dict[str, Any]) -> dict[str, Any] | None:
+    runs = [entry["run"] for entry in entries.values()]
+    return max(runs, key=lambda run: run["date"]) if runs else None
+
+
+def _header(entries: dict[str, Any]) -> list[str]:
     lines = [
         "# Benchmarks",
         "",
-        (
-            f"Generated from {len(raw['sources'])} runs of `make bench` (listed "
-            "below with the benchmarks each gave). "
-            if raw.get("sources")
-            else f"Generated by `{raw['command']}` "
-            f"({'quick' if raw['quick'] else 'full'} run; `make bench` runs it). "
-        )
-        + "Every figure compares this plugin with stock vLLM measured side by "
-        "side in the same run, on the same tiny random-weight Llama (built locally by "
-        "`src/vllm_output_rate/demo/tiny_model.py`; 2 layers, hidden 128), "
-        f"with the same engine settings ({_flags(raw['servers'])}) and the "
-        "same load; the machine is shared and noisy, so ratios matter, "
-        "absolute numbers are context only. No test asserts timings.",
-        "",
-        ("- Date of the latest run: " if raw.get("sources") else "- Date: ")
-        + started.strftime("%Y-%m-%d %H:%M UTC"),
-        f"- Machine: {info['cpu_model']}, {info['cores']} cores, "
-        + (f"{mem:.1f} GiB memory" if mem else "memory unknown")
-        + f", Linux {info['kernel']}, Python {info['python']}",
-        f"- vLLM {vers['vllm']}; vllm-output-rate {vers['vllm_output_rate']}; "
-        f"torch {vers['torch']}",
-    ]
-    if rerendered_by:
-        lines.append(
-            f"- Report re-rendered from the run's raw results by `{rerendered_by}`"
-        )
-    for source in raw.get("sources", []):
-        kind = "quick" if source["quick"] else "full"
-        lines.append(
-            f"- From `{source['command']}` ({kind} run, "
-            f"{source['started_utc'][:16].replace('T', ' ')} UTC, "
-            f"{source['commit']}): {', '.join(source['benchmarks']) or 'nothing'}"
-        )
-    starts = raw["server_start_s"]
-    lines += [
-        "",
-        f"Run time: {raw['elapsed_s'] / 60:.1f} min"
-        + (
-            "; server start-up: "
-            + ", ".join(f"{k} {v:.0f} s" for k, v in starts.items())
-            if starts
-            else ""
-        )
-        + ".",
+        "Generated whole by `make bench` from the results kept in "
+        "`benchmarks/results/` (do not edit it by hand). Every figure compares "
+        "this plugin with stock vLLM (or with itself without the store) "
+        "measured side by side in the same run, on the same tiny random-weight "
+        "model (`src/vllm_output_rate/demo/tiny_model.py`), with the same engine "
+        "settings and the same load; the machines are shared and noisy, so "
+        "ratios matter, absolute numbers are context only. Each section names "
+        "the run that measured it: `make bench` measures every section, "
+        '`make bench BENCH_ARGS="--only NAME ..."` measures those again and '
+        "renders the rest from the kept results.",
         "",
     ]
+    run = _latest_run(entries)
+    if run is not None:
+        flags = " ".join(
+            k if v is True else f"{k} {shlex.quote(str(v))}"
+            for k, v in run["servers"]["flags"].items()
+        )
+        env = " ".join(f"{k}={v}" for k, v in run["servers"]["env"].items())
+        versions = run["versions"]
+        lines += [
+            f"- Latest run: {run['date']}, commit {run['commit']}, on {run['machine']}",
+            f"- vLLM {versions['vllm']}; vllm-output-rate "
+            f"{versions['vllm_output_rate']}; torch {versions['torch']}",
+            f"- Servers: `{flags}`" + (f", `{env}`" if env else ""),
+            "",
+        ]
+    quick = [name for name, e in entries.items() if e["run"]["quick"]]
+    if quick:
+        lines += [
+            f"**From a quick run (shorter, noisier): {', '.join(quick)}.**",
+            "",
+        ]
     return lines
 
 
-def summary(raw: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Summary",
-        "",
-        "| benchmark | target | measured | verdict |",
-        "|---|---|---|---|",
-    ]
-    for name in raw["benchmarks"]:
-        title = SECTIONS[name].TITLE
-        if name in raw["results"]:
-            try:
-                rows = SECTIONS[name].summary_rows(raw["results"][name])
-            except Exception as exc:  # a broken formatter must not lose the rest
-                rows = [(title, "-", f"could not summarise: {exc!r}", None)]
-            for bench, target, measured, met in rows:
-                lines.append(f"| {bench} | {target} | {measured} | {verdict(met)} |")
-        elif name in raw["errors"]:
-            lines.append(f"| {title} | - | did not run: {raw['errors'][name]} | n.a. |")
+def _summary(entries: dict[str, Any]) -> list[str]:
+    lines = ["## Summary", "", "| benchmark | target | measured | verdict |"]
+    lines.append("|---|---|---|---|")
+    for name, module in SECTIONS.items():
+        entry = entries.get(name)
+        if entry is None or "results" not in entry:
+            why = f"did not run: {entry['error']}" if entry else "not measured yet"
+            lines.append(f"| {module.TITLE} | - | {why} | n.a. |")
+            continue
+        try:
+            rows = module.summary_rows(entry["results"])
+        except Exception as exc:  # a broken formatter must not lose the rest
+            rows = [(module.TITLE, "-", f"could not summarise: {exc!r}", None)]
+        for what, target, measured, met in rows:
+            lines.append(f"| {what} | {target} | {measured} | {verdict(met)} |")
     return [*lines, ""]
 
 
-def noise(raw: dict[str, Any]) -> list[str]:
-    gate = raw["quiet_gate"]
-    periods = [
-        f"{name} {s['others_cores']:.2f}"
-        + (f" (+{s['steal_cores']:.2f} stolen)" if s["steal_cores"] > 0.01 else "")
-        for name in raw["benchmarks"]
-        if (s := raw["noise"].get(name)) is not None
-    ]
-    text = (
-        "Noise: CPU used by other processes on this machine (system busy time "
-        "minus this run's own processes and servers), averaged over each "
-        f"benchmark, in cores out of {raw['machine']['cores']}: "
-        + "; ".join(periods)
-        + "."
+def _provenance(entry: dict[str, Any]) -> str:
+    run = entry["run"]
+    noise = entry.get("noise_cores")
+    return (
+        f"*Measured {run['date']} at commit {run['commit']} on {run['machine']}, "
+        f"{'quick' if run['quick'] else 'full'} run (`{run['command']}`), "
+        f"{entry['elapsed_s'] / 60:.0f} min"
+        + (f"; other processes used {noise:.2f} cores meanwhile" if noise else "")
+        + ".*"
     )
-    if gate:
-        text += (
-            " Before each measurement the run waited for the rest of the machine "
-            f"to use less than {gate['threshold_cores']:g} cores (at most 15 s "
-            f"each, {gate['budget_s']:g} s in all): {gate['extra_wait_s']:.0f} s "
-            f"waited over {gate['waits']} measurements, {gate['gave_up']} of which "
-            "went ahead without a quiet machine."
-        )
-    return [text, ""]
 
 
-def section(name: str, raw: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
+def _section(name: str, entry: dict[str, Any] | None, figures: Path, md: Path) -> str:
     module = SECTIONS[name]
-    if name not in raw["results"]:
-        why = raw["errors"].get(name, "not selected")
-        if name == "scheduler_cost":
-            return (
-                f"## {module.TITLE}\n\nPlaceholder: the scheduler step cost "
-                f"benchmark (`benchmarks/scheduler_cost.py`) did not run here: {why}"
-            )
-        return f"## {module.TITLE}\n\nDid not run: {why}"
+    if entry is None:
+        return f"## {module.TITLE}\n\nNot measured yet."
+    head = f"## {module.TITLE}\n\n{_provenance(entry)}\n\n"
+    if "results" not in entry:
+        return head + f"Did not run: {entry['error']}"
     try:
-        text: str = module.section(raw["results"][name], figures_dir, md_dir)
+        body: str = module.section(entry["results"], figures, md)
     except Exception as exc:  # a broken formatter must not lose the rest
-        return f"## {module.TITLE}\n\n(Could not format the results: {exc!r})"
-    return text.rstrip()
-
-
-def history() -> list[str]:
-    return ["## History", "", HISTORY.read_text().strip(), ""]
+        body = f"(Could not format the results: {exc!r})"
+    return head + body.rstrip()
 
 
 def render(
-    raw: dict[str, Any],
+    entries: dict[str, Any],
+    rows: list[dict[str, Any]],
     output: Path,
     figures_dir: Path,
-    rerendered_by: str | None = None,
 ) -> str:
-    """The Markdown for ``output`` (figures written to ``figures_dir``,
-    linked relative to ``output``'s folder)."""
-    md_dir = output.parent
-    lines = header(raw, rerendered_by) + summary(raw) + noise(raw)
-    if any(n in raw["results"] for n in SERVER_BENCHMARKS):
-        lines += [SLOW_STATE_NOTE, ""]
-    shown = [n for n in raw["benchmarks"] if n in raw["results"] or n in raw["errors"]]
-    # By section number ("10. ..." after "9. ...").
-    for name in sorted(shown, key=lambda n: int(SECTIONS[n].TITLE.split(".")[0])):
-        lines += [section(name, raw, figures_dir, md_dir), ""]
-    lines += history()
-    return "\n".join(lines).rstrip() + "\n"
+    """The Markdown for ``output``; figures go to ``figures_dir``, linked
+    relative to ``output``'s folder."""
+    lines = _header(entries) + _summary(entries)
+    for name in SECTIONS:
+        lines += [_section(name, entries.get(name), figures_dir, output.parent), ""]
+    lines += ["## History", "", *history.table(rows), ""]
+    return "\n".join(lines)
 
 
 def write(
-    raw: dict[str, Any],
-    output: Path,
-    figures_dir: Path,
-    rerendered_by: str | None = None,
-) -> Path:
-    """Write the report to ``output`` and its figures to ``figures_dir``."""
+    entries: dict[str, Any], rows: list[dict[str, Any]], output: Path, figures_dir: Path
+) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     figures_dir.mkdir(parents=True, exist_ok=True)
-    output.write_text(render(raw, output, figures_dir, rerendered_by))
-    return output
+    output.write_text(render(entries, rows, output, figures_dir))

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from vllm_output_rate.admission_caps import ADMISSION_KEYS
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
@@ -229,6 +230,7 @@ class OutputRateSettings:
                 *FAIR_KEYS,
                 SHORTCUTS_KEY,
                 *STORE_KEYS,
+                *ADMISSION_KEYS,  # read by integration/admission_rpc.py
             ),
             where,
         )
@@ -291,7 +293,9 @@ def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
     if content is None:
         content = {}
     return _check_object(
-        content, (DEFAULT_KEY, USERS_KEY, WEIGHTS_KEY, FLOORS_KEY, *STORE_KEYS), where
+        content,
+        (DEFAULT_KEY, USERS_KEY, WEIGHTS_KEY, FLOORS_KEY, *STORE_KEYS, *ADMISSION_KEYS),
+        where,
     )
 
 

@@ -1,68 +1,36 @@
 """Per-user output-token rate limiter: GCRA with exact integer arithmetic.
 
-This module is pure Python and never imports vLLM, so it can be tested with a
-fake clock and reused outside the scheduler.
-
-GCRA (Generic Cell Rate Algorithm) keeps one number per user: the theoretical
-arrival time (TAT) of that user's next token if tokens flowed at exactly the
-configured rate. A token is admitted when the TAT is at most ``burst`` ahead
-of now; admitting it moves the TAT one interval (1 / rate) forward. Over any
-window of W seconds this admits at most ``(W + burst) * rate + 1`` tokens, and
-tokens are spread evenly instead of being spent at the start of each second.
-
-Exactness: a rate is kept as a fraction ``p / q`` tokens per second (the
-shortest decimal that names the float, so 2.5 is 5/2 and 0.1 is 1/10). Every
-time of that user is stored multiplied by ``p``, which turns the interval
-``q / p`` seconds into the integer ``q * 1e9``. Integer rates have ``q == 1``.
-Nothing is ever rounded while tokens are taken, so there is no drift over
-millions of tokens; only ``ready_at_ns`` rounds, and it rounds up.
+``OutputRateLimiter`` keeps, per user, the theoretical arrival time (TAT) of
+its next token at its rate, in ``exact_rate.ScaledRate``'s units, so nothing
+rounds while tokens are taken. A token is admitted while the TAT is at most
+the burst (``DEFAULT_BURST_NS``, 100 ms) ahead of now, and moves it one
+interval on: over any window of W seconds a user gets at most
+``(W + burst) × rate + 1`` tokens, evenly spread. It only keeps accounts
+(which request gets a token is the scheduler's decision) and is the
+engine's own ``budget.Budget``. Pure Python, never imports vLLM. The
+algorithm, its bound and the group of free users: docs/architecture.md,
+"The limiter".
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, KeysView, Mapping
-from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.exact_rate import ScaledRate
 from vllm_output_rate.validation import validate_rate, validate_user_name
 
-NS_PER_SECOND = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000  # 100 ms, as in the specification
-
-
-@dataclass(frozen=True, slots=True)
-class _ScaledRate:
-    """A rate ``p / q`` tok/s with every duration pre-multiplied by ``p``."""
-
-    scale: int  # p: clock readings are multiplied by this
-    interval: int  # q * 1e9: one token's spacing, in scaled nanoseconds
-    burst: int  # burst_ns * p
-
-    @classmethod
-    def from_rate(cls, rate: float, burst_ns: int) -> _ScaledRate:
-        fraction = Fraction(repr(rate))
-        p, q = fraction.numerator, fraction.denominator
-        return cls(scale=p, interval=q * NS_PER_SECOND, burst=burst_ns * p)
 
 
 class OutputRateLimiter:
     """GCRA budget of output tokens per second, shared by all of a user's requests.
 
-    ``default_rate`` applies to every user not named in ``user_rates``. The
-    limiter only keeps accounts; which request gets a token is the scheduler's
-    decision.
-
-    Users far below their limit cost no Python work per user. When every
-    default-rate user in a ``take_many`` call is free (TAT not ahead of now)
-    and gets all it asks for, their TATs are all "now + taken x interval":
-    the limiter then keeps that one reading of now and a copy of the counts
-    (the *group*) instead of a TAT each, and the next call checks the whole
-    group at once (is the largest count's spacing past?). Users with their own
-    rate are always handled one by one. Anything else (a user still ahead, a
-    refused token) turns the group back into per-user TATs first. Decisions
-    are the same either way.
+    ``default_rate`` applies to every user not named in ``user_rates``.
+    Default-rate users that are free and get all they ask for share one
+    record, the *group* (one clock reading and a count each), instead of a
+    TAT each; decisions are the same either way.
     """
 
     def __init__(
@@ -77,15 +45,11 @@ class OutputRateLimiter:
             raise ValueError(f"burst_ns must be an integer >= 0, got {burst_ns!r}")
         self._burst_ns = burst_ns
         self._clock = clock
-        self._default = _ScaledRate.from_rate(
-            validate_rate(default_rate, "default rate"), burst_ns
-        )
-        self._overrides: dict[str, _ScaledRate] = {}
+        self._default = self._scaled(default_rate, "default rate")
+        self._overrides: dict[str, ScaledRate] = {}
         for user, rate in (user_rates or {}).items():
             validate_user_name(user)
-            self._overrides[user] = _ScaledRate.from_rate(
-                validate_rate(rate, f"rate of user {user!r}"), burst_ns
-            )
+            self._overrides[user] = self._scaled(rate, f"rate of user {user!r}")
         # user -> TAT in that user's scaled nanoseconds. A user without an
         # entry behaves exactly like one whose TAT is in the past.
         self._tat: dict[str, int] = {}
@@ -103,13 +67,15 @@ class OutputRateLimiter:
     def now_ns(self) -> int:
         return self._clock()
 
+    def _scaled(self, rate: float, what: str) -> ScaledRate:
+        return ScaledRate.from_rate(validate_rate(rate, what), self._burst_ns)
+
     def rate_of(self, user: str) -> float:
-        rate = self._overrides.get(user, self._default)
-        return rate.scale * NS_PER_SECOND / rate.interval
+        return self._overrides.get(user, self._default).per_second
 
     @property
     def default_rate(self) -> float:
-        return self._default.scale * NS_PER_SECOND / self._default.interval
+        return self._default.per_second
 
     @property
     def user_rates(self) -> dict[str, float]:
@@ -133,9 +99,7 @@ class OutputRateLimiter:
         new_default = (
             self._default
             if default_rate is None
-            else _ScaledRate.from_rate(
-                validate_rate(default_rate, "default rate"), self._burst_ns
-            )
+            else self._scaled(default_rate, "default rate")
         )
         overrides = dict(self._overrides)
         for user in remove_users:
@@ -143,15 +107,12 @@ class OutputRateLimiter:
             overrides.pop(user, None)
         for user, rate in (user_rates or {}).items():
             validate_user_name(user)
-            overrides[user] = _ScaledRate.from_rate(
-                validate_rate(rate, f"rate of user {user!r}"), self._burst_ns
-            )
+            overrides[user] = self._scaled(rate, f"rate of user {user!r}")
         for user, tat in self._tat.items():
             old = self._overrides.get(user, self._default)
             new = overrides.get(user, new_default)
             if new is not old:
-                due_ns = -(-tat // old.scale)  # ceil: never earlier than before
-                self._tat[user] = due_ns * new.scale
+                self._tat[user] = old.rescaled(tat, new)
         self._default, self._overrides = new_default, overrides
 
     def set_user_rates(self, rates: Mapping[str, float | None]) -> None:
@@ -162,15 +123,11 @@ class OutputRateLimiter:
         with every user that has state: a shared store (``store/``) changes
         a few users' local shares at a time.
         """
-        changed: dict[str, _ScaledRate | None] = {}
+        changed: dict[str, ScaledRate | None] = {}
         for user, rate in rates.items():
             validate_user_name(user)
             changed[user] = (
-                None
-                if rate is None
-                else _ScaledRate.from_rate(
-                    validate_rate(rate, f"rate of user {user!r}"), self._burst_ns
-                )
+                None if rate is None else self._scaled(rate, f"rate of user {user!r}")
             )
         if self._group_taken.keys() & changed.keys():
             self._materialize_group()  # those TATs are in the default's units
@@ -184,7 +141,7 @@ class OutputRateLimiter:
                 overrides[user] = new
             tat = tats.get(user)
             if tat is not None and new.scale != old.scale:
-                tats[user] = -(-tat // old.scale) * new.scale
+                tats[user] = old.rescaled(tat, new)
 
     def try_take(self, user: str) -> bool:
         """Admit one output token for ``user`` now, or refuse and change nothing."""

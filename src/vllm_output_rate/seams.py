@@ -1,100 +1,30 @@
-"""Every vLLM internal this plugin relies on, in one module, checked.
+"""Every vLLM internal this plugin relies on, declared in one place.
 
-vLLM offers ``scheduler_cls``, plugin entry points and
-``additional_config``; everything else the plugin needs is listed here: the
-methods it wraps or overrides (with the parameters it relies on), the facts
-about vLLM's source it relies on, and the scheduler attributes it reads and
-writes (``SchedulerHost``). ``verify_seams()`` runs when the plugin loads
-and in the tests, and ``check_host()`` when our scheduler starts, so a vLLM
-upgrade that moves one fails loudly instead of silently turning limiting
-off. The same lists are checked against a vLLM source tree that is never
-imported (``python -m vllm_output_rate.seams DIR``, ``make vllm-next``: a
-release that cannot run here). This module imports vLLM only inside those
-checks; the scheduling policy and the integration both import it, and it
-imports neither.
+vLLM offers ``scheduler_cls``, plugin entry points and ``additional_config``;
+everything else the plugin touches is declared here, and used only through
+what this module exports:
 
-Wrapped by the plugin (``integration/plugin.py``), in the process where vLLM
-calls them:
+* ``SchedulerHost``: the attributes of vLLM's ``Scheduler`` that the policy
+  reads and writes, and the methods our subclasses override;
+* ``REQUEST_FIELDS``: the fields of vLLM's ``Request`` that the policy reads;
+* ``EXPECTED_SIGNATURES``, ``REQUEST_CLASSES``, ``FUNNEL`` and
+  ``API_KEY_GUARD``: what the plugin wraps, overrides, calls or reads, with
+  the parameters it relies on;
+* ``SOURCE_FACTS``: what vLLM's code must still do for the policy to be right;
+* thin accessors (``preempt``, ``num_free_kv_blocks``,
+  ``passed_over_next_step``, ...): how the policy reaches vLLM's privates.
 
-* ``EngineArgs.add_cli_args``: adds the plugin's flags to vLLM's parser.
-* ``EngineArgs.from_cli_args``: carries the flags into
-  ``additional_config``.
-* ``EngineArgs.create_engine_config``: validates and selects our scheduler.
-* ``EngineCore.post_step``: waits on the input queue while all is throttled.
-* ``EngineCore.output_rate_rpc`` (added): the engine-side method that the
-  HTTP plugin reaches through vLLM's utility-call channel
-  (``call_utility_async``), to read statistics and change limits.
-* ``ChatCompletionRequest/CompletionRequest/ResponsesRequest
-  .to_sampling_params`` and ``.to_beam_search_params``: HTTP 400 for a
-  malformed ``output_rate_user`` and for beam search.
-* ``AsyncLLM.add_request`` (wrapped per instance by the HTTP plugin): the
-  one funnel every route's request goes through into the engine; trusted
-  identity stamps the verified user there or refuses the request, and the
-  user is validated there for every route. ``verify_seams`` checks that
-  every path of ``AsyncLLM`` into the engine core passes through it (in the
-  installed vLLM; a source tree is not imported, so not there), and reads
-  the path prefixes vLLM's own ``--api-key`` guards.
-
-Overridden by the scheduler subclasses (``integration/scheduler.py``):
-``schedule``, ``add_request``, ``shutdown`` (a shared store's refresher),
-``get_grammar_bitmask`` (the step is settled there: ``EngineCore.step``
-calls it after handing the step to the worker and before waiting for the
-output, so the settling overlaps the model; a source fact below checks the
-call, whose place decides only where the time goes, not what is charged),
-``finish_requests``, ``update_draft_token_ids`` and ``reset_prefix_cache``
-(each settles the step first, as every override does),
-``update_from_output`` (speculative decoding: what each request of the
-reported step received, from ``Request._output_token_ids``; never a limiter
-call) and the private ``_reserve_prefill_lookahead`` and
-``_handle_blocked_waiting_request``; the attribute ``max_num_active_reqs``
-is read by vLLM's waiting loop. The shortcuts (``scheduling/shortcuts.py``)
-rely on two more facts: ``schedule()`` looks the hook up on ``self`` at each
-call (so an instance attribute can stand in for the override during a step),
-and ``_update_after_schedule`` sets ``Request.is_prefill_chunk`` on every
-scheduled request before ``schedule()`` returns (so the step's sampled
-tokens can be counted afterwards). A kept step
-(``scheduling/kept_batch.py``) is served whole, so none of its requests may
-be one that ``schedule()`` passes over before the hook
-(``passed_over_next_step``); it sets the running requests beyond its batch
-aside, off ``running`` for the duration of ``schedule()``, which serves
-running requests only from that list and preempts, when a KV block cannot be
-had, only from it (so the policy first checks that every request of the
-batch finds a block in each of ``kv_cache_manager``'s
-``num_kv_cache_groups``). Each step's demand is kept from
-``Scheduler.finished_req_ids`` (filled by ``_free_request``, read before
-``schedule()`` clears it), with a recount whenever it disagrees with
-``Scheduler.requests``; and when vLLM's ``_inflight_prefills`` (requests
-whose prefill continues after this step) is empty, every scheduled request
-sampled. Engine modes: a waiting request's draft positions are ``-1``
-padding (charged one token); hybrid models align prefill chunks to Mamba
-blocks (``need_mamba_block_aligned_split``); the idle wait is skipped while
-``EngineCore.batch_queue`` holds batches.
-
-So that a throttled user never locks others out
-(``scheduling/residency.py``) the policy preempts throttled residents with
-vLLM's own recompute preemption, ``Scheduler._preempt_request`` (the request
-goes back to the head of ``waiting`` and frees its KV blocks; the caller
-takes it off ``running``, as vLLM's own callers do), reads the free KV
-blocks (``kv_cache_manager.block_pool.get_num_free_blocks()``, the watermark
-``kv_cache_manager.watermark_blocks``, ``scheduler_reserve_full_isl``,
-``max_num_scheduled_tokens``), and closes the waiting scan for a step by
-setting ``max_num_active_reqs`` to 0 (vLLM stops admitting once
-``len(running)`` reaches it).
-
-Over 400 lines on purpose: every touch of a vLLM internal is listed here, in
-one place, with its check; how a source tree is read is in
-``vllm_source.py``.
+``seams_check.py`` checks these lists against the installed vLLM (at
+start-up) or a source tree (``python -m vllm_output_rate.seams DIR``). Why
+each seam: docs/architecture.md, "Seams into vLLM". vLLM is imported only by
+``resolve`` and for the type checker.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Collection, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from vllm_output_rate.vllm_source import LiveSource, Source, StaticSource, vllm_imports
 
 if TYPE_CHECKING:
     from vllm.config import SchedulerConfig
@@ -110,6 +40,8 @@ if TYPE_CHECKING:
 HOOK = "_reserve_prefill_lookahead"
 # The method the plugin adds to vLLM's EngineCore for the operator channel.
 RPC_METHOD = "output_rate_rpc"
+# Where vLLM's Scheduler lives.
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
 class SeamMovedError(RuntimeError):
@@ -135,7 +67,7 @@ class SchedulerHost:
     _inflight_prefills: Collection[Request]
     kv_cache_manager: KVCacheManager
     # The step's input budget and how prefill chunks are sized (a ranked
-    # step's set-aside, scheduling/shortcuts.py).
+    # step's set-aside, scheduling/set_aside.py).
     scheduler_config: SchedulerConfig
     block_size: int
     hash_block_size: int
@@ -210,6 +142,7 @@ REQUEST_FIELDS = (
     "mm_features",
     "num_prompt_tokens",
     "next_decode_eligible_step",
+    "client_index",  # admission: which API server sent it
 )
 
 
@@ -270,16 +203,6 @@ def kv_watermark_blocks(scheduler: SchedulerHost) -> int:
     return int(scheduler.kv_cache_manager.watermark_blocks)
 
 
-def check_host(scheduler: object) -> None:
-    """Raise SeamMovedError unless ``scheduler`` has every declared attribute."""
-    missing = [name for name in HOST_ATTRIBUTES if not hasattr(scheduler, name)]
-    if missing:
-        raise SeamMovedError(
-            "vllm-output-rate cannot hook into this vLLM: its Scheduler has no "
-            + ", ".join(missing)
-        )
-
-
 # (module, attribute path, parameter names the wrapper relies on)
 EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ("vllm.engine.arg_utils", "EngineArgs.add_cli_args", ["parser"]),
@@ -287,44 +210,32 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ("vllm.engine.arg_utils", "EngineArgs.create_engine_config", ["self"]),
     ("vllm.v1.engine.core", "EngineCore.post_step", ["self", "model_executed"]),
     (
-        "vllm.v1.core.sched.scheduler",
+        SCHEDULER_MODULE,
         "Scheduler._reserve_prefill_lookahead",
         ["self", "request", "num_computed_tokens", "num_new_tokens"],
     ),
     (
-        "vllm.v1.core.sched.scheduler",
+        SCHEDULER_MODULE,
         "Scheduler._handle_blocked_waiting_request",
         ["self", "request"],
     ),
-    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ["self"]),
-    (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler._preempt_request",
-        ["self", "request", "timestamp"],
-    ),
+    (SCHEDULER_MODULE, "Scheduler.schedule", ["self"]),
+    (SCHEDULER_MODULE, "Scheduler._preempt_request", ["self", "request", "timestamp"]),
     ("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ["self"]),
-    ("vllm.v1.core.sched.scheduler", "Scheduler.add_request", ["self", "request"]),
+    (SCHEDULER_MODULE, "Scheduler.add_request", ["self", "request"]),
+    (SCHEDULER_MODULE, "Scheduler.get_grammar_bitmask", ["self", "scheduler_output"]),
     (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler.get_grammar_bitmask",
-        ["self", "scheduler_output"],
-    ),
-    (
-        "vllm.v1.core.sched.scheduler",
+        SCHEDULER_MODULE,
         "Scheduler.finish_requests",
         ["self", "request_ids", "finished_status"],
     ),
+    (SCHEDULER_MODULE, "Scheduler.update_draft_token_ids", ["self", "draft_token_ids"]),
     (
-        "vllm.v1.core.sched.scheduler",
-        "Scheduler.update_draft_token_ids",
-        ["self", "draft_token_ids"],
-    ),
-    (
-        "vllm.v1.core.sched.scheduler",
+        SCHEDULER_MODULE,
         "Scheduler.reset_prefix_cache",
         ["self", "reset_running_requests", "reset_connector"],
     ),
-    ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", ["self"]),
+    (SCHEDULER_MODULE, "Scheduler.shutdown", ["self"]),
     (
         "vllm.v1.core.sched.request_queue",
         "RequestQueue.add_request",
@@ -338,7 +249,7 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
     ("vllm.v1.request", "Request.num_tokens", ["self"]),
     ("vllm.v1.request", "Request.num_output_tokens", ["self"]),
     (
-        "vllm.v1.core.sched.scheduler",
+        SCHEDULER_MODULE,
         "Scheduler.update_from_output",
         ["self", "scheduler_output", "model_runner_output"],
     ),
@@ -346,6 +257,26 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
         "vllm.v1.engine.core_client",
         "AsyncMPClient.call_utility_async",
         ["self", "method"],
+    ),
+    (
+        "vllm.v1.engine.core_client",
+        "AsyncMPClient.call_utility_all_async",
+        ["self", "method"],
+    ),
+    (
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM.check_admission",
+        ["self", "n", "request_id"],
+    ),
+    (
+        "vllm.v1.engine.async_llm",
+        "AsyncLLM._record_admission_rejection",
+        ["self", "reason"],
+    ),
+    (
+        "vllm.entrypoints.serve.engine.serving",
+        "BaseServing._check_model",
+        ["self", "request"],
     ),
 ]
 REQUEST_CLASSES: list[tuple[str, str]] = [
@@ -373,179 +304,158 @@ ENGINE_ENTRY_CALLERS: dict[str, set[str]] = {
     "self._add_request(": {FUNNEL, "_add_streaming_input_request"},
     "self._add_streaming_input_request(": {FUNNEL},
 }
+# Admission (integration/admission.py): the engine client's check, replaced
+# per instance, and the method that sees each API request just before it.
+ADMISSION_CHECK = "check_admission"
+MODEL_CHECK = ("vllm.entrypoints.serve.engine.serving", "BaseServing._check_model")
 # vLLM's own --api-key middleware and the path prefixes it guards: with our
 # API keys (which replace --api-key) the same paths need a valid key.
 API_KEY_GUARD = ("vllm.entrypoints.serve.middleware.authenticate", "GUARDED_PREFIX")
 
-_SCHEDULER = "vllm.v1.core.sched.scheduler"
 # Facts about vLLM's source the plugin relies on: (module, function, text
 # its source must contain, the fact).
 SOURCE_FACTS: list[tuple[str, str, str, str]] = [
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self.max_num_active_reqs",
-        "Scheduler.schedule reads max_num_active_reqs",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self._reserve_prefill_lookahead(",
-        "Scheduler.schedule calls self._reserve_prefill_lookahead",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self._update_after_schedule(",
-        "Scheduler.schedule calls self._update_after_schedule",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler._update_after_schedule",
-        "request.is_prefill_chunk =",
-        "Scheduler._update_after_schedule sets Request.is_prefill_chunk",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler._update_after_schedule",
-        "self._inflight_prefills.discard(",
-        "Scheduler._update_after_schedule drops finished prefills from "
-        "_inflight_prefills",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler._free_request",
-        "self.finished_req_ids.add(",
-        "Scheduler._free_request records finished_req_ids",
-    ),
-    # A ranked step that sets its deferred requests aside (shortcuts.py)
+    (SCHEDULER_MODULE, "Scheduler.schedule", "self.max_num_active_reqs",
+     "Scheduler.schedule reads max_num_active_reqs"),
+    (SCHEDULER_MODULE, "Scheduler.schedule", "self._reserve_prefill_lookahead(",
+     "Scheduler.schedule calls self._reserve_prefill_lookahead"),
+    (SCHEDULER_MODULE, "Scheduler.schedule", "self._update_after_schedule(",
+     "Scheduler.schedule calls self._update_after_schedule"),
+    (SCHEDULER_MODULE, "Scheduler._update_after_schedule", "request.is_prefill_chunk =",
+     "Scheduler._update_after_schedule sets Request.is_prefill_chunk"),
+    (SCHEDULER_MODULE, "Scheduler._update_after_schedule",
+     "self._inflight_prefills.discard(",
+     "Scheduler._update_after_schedule drops finished prefills from "
+     "_inflight_prefills"),
+    (SCHEDULER_MODULE, "Scheduler._free_request", "self.finished_req_ids.add(",
+     "Scheduler._free_request records finished_req_ids"),
+    # A ranked step that sets its deferred requests aside (set_aside.py)
     # checks the step's input budget and how prefill chunks are sized.
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self.scheduler_config.max_num_batched_tokens",
-        "Scheduler.schedule's input budget is max_num_batched_tokens",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self.scheduler_config.long_prefill_token_threshold",
-        "Scheduler.schedule sizes prefill chunks by long_prefill_token_threshold",
-    ),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "self.scheduler_config.max_num_batched_tokens",
+     "Scheduler.schedule's input budget is max_num_batched_tokens"),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "self.scheduler_config.long_prefill_token_threshold",
+     "Scheduler.schedule sizes prefill chunks by long_prefill_token_threshold"),
     # A kept batch is served whole (scheduling/shortcuts.py).
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self.current_step += 1",
-        "Scheduler.schedule counts current_step up first",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "request.num_computed_tokens + 2 - request.num_output_placeholders",
-        "Scheduler.schedule passes over a request whose last token is scheduled",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "self.current_step < request.next_decode_eligible_step",
-        "Scheduler.schedule passes over a request not yet eligible to decode",
-    ),
+    (SCHEDULER_MODULE, "Scheduler.schedule", "self.current_step += 1",
+     "Scheduler.schedule counts current_step up first"),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "request.num_computed_tokens + 2 - request.num_output_placeholders",
+     "Scheduler.schedule passes over a request whose last token is scheduled"),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "self.current_step < request.next_decode_eligible_step",
+     "Scheduler.schedule passes over a request not yet eligible to decode"),
     # Lock-out rules (scheduling/residency.py).
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "if num_running >= self.max_num_active_reqs:",
-        "Scheduler.schedule stops admitting at max_num_active_reqs",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "full_sequence_must_fit=self.scheduler_reserve_full_isl",
-        "Scheduler.schedule admits only what scheduler_reserve_full_isl fits",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler._preempt_request",
-        "self._free_request_blocks(request)",
-        "Scheduler._preempt_request frees the request's KV blocks",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler._preempt_request",
-        "self.waiting.prepend_request(request)",
-        "Scheduler._preempt_request puts the request back into waiting",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "while req_index < len(self.running)",
-        "Scheduler.schedule serves the running requests from self.running",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "preempted_req = self.running.pop()",
-        "Scheduler.schedule preempts the last request of self.running",
-    ),
-    (
-        "vllm.v1.core.kv_cache_manager",
-        "KVCacheManager.__init__",
-        "self.num_kv_cache_groups =",
-        "KVCacheManager counts its KV cache groups",
-    ),
-    (
-        "vllm.v1.core.kv_cache_manager",
-        "KVCacheManager.allocate_slots",
-        "self.watermark_blocks",
-        "KVCacheManager.allocate_slots keeps watermark_blocks free",
-    ),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "if num_running >= self.max_num_active_reqs:",
+     "Scheduler.schedule stops admitting at max_num_active_reqs"),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "full_sequence_must_fit=self.scheduler_reserve_full_isl",
+     "Scheduler.schedule admits only what scheduler_reserve_full_isl fits"),
+    (SCHEDULER_MODULE, "Scheduler._preempt_request",
+     "self._free_request_blocks(request)",
+     "Scheduler._preempt_request frees the request's KV blocks"),
+    (SCHEDULER_MODULE, "Scheduler._preempt_request",
+     "self.waiting.prepend_request(request)",
+     "Scheduler._preempt_request puts the request back into waiting"),
+    (SCHEDULER_MODULE, "Scheduler.schedule", "while req_index < len(self.running)",
+     "Scheduler.schedule serves the running requests from self.running"),
+    (SCHEDULER_MODULE, "Scheduler.schedule", "preempted_req = self.running.pop()",
+     "Scheduler.schedule preempts the last request of self.running"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.__init__",
+     "self.num_kv_cache_groups =",
+     "KVCacheManager counts its KV cache groups"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots",
+     "self.watermark_blocks",
+     "KVCacheManager.allocate_slots keeps watermark_blocks free"),
     # Speculative decoding (scheduling/speculative.py).
-    (
-        _SCHEDULER,
-        "Scheduler.schedule",
-        "] * self.num_spec_tokens",
-        "Scheduler.schedule pads a waiting request's drafts with -1, which "
-        "the rejection sampler always rejects",
-    ),
-    (
-        _SCHEDULER,
-        "Scheduler._update_request_with_output",
-        "request.append_output_token_ids(",
-        "update_from_output appends a step's tokens to the request's output",
-    ),
-    (
-        "vllm.v1.request",
-        "Request.num_output_tokens",
-        "len(self._output_token_ids)",
-        "Request.num_output_tokens counts the tokens of its output",
-    ),
+    (SCHEDULER_MODULE, "Scheduler.schedule", "] * self.num_spec_tokens",
+     "Scheduler.schedule pads a waiting request's drafts with -1, which the "
+     "rejection sampler always rejects"),
+    (SCHEDULER_MODULE, "Scheduler._update_request_with_output",
+     "request.append_output_token_ids(",
+     "update_from_output appends a step's tokens to the request's output"),
+    ("vllm.v1.request", "Request.num_output_tokens", "len(self._output_token_ids)",
+     "Request.num_output_tokens counts the tokens of its output"),
     # Seeded requests on CPU (scheduling/engine_modes.py).
-    (
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner._bookkeeping_sync",
-        "gen.set_offset(",
-        "vLLM rewinds a seeded request's generator after a chunk that does "
-        "not sample (which a CPU generator cannot)",
-    ),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._bookkeeping_sync",
+     "gen.set_offset(",
+     "vLLM rewinds a seeded request's generator after a chunk that does not sample "
+     "(which a CPU generator cannot)"),
     # The idle wait (integration/engine_loop.py).
-    (
-        "vllm.v1.engine.core",
-        "EngineCore.__init__",
-        "self.batch_queue",
-        "EngineCore keeps its batches in flight in batch_queue",
-    ),
+    ("vllm.v1.engine.core", "EngineCore.__init__", "self.batch_queue",
+     "EngineCore keeps its batches in flight in batch_queue"),
+    # Admission (integration/admission.py, admission_rpc.py).
+    *[("vllm.v1.engine.async_llm", "AsyncLLM.check_admission", needle,
+       f"AsyncLLM.check_admission counts with {needle}")
+      for needle in ("self.scheduler_config.max_num_queued_reqs",
+                     "self.admission_stats.get_num_requests()",
+                     "self.get_num_unfinished_requests()",
+                     "self.scheduler_config.max_num_queued_tokens",
+                     "self.get_num_queued_tokens()")],
+    ("vllm.v1.engine.async_llm", "AsyncLLM._add_request",
+     "self.check_admission(request_id=request.request_id)",
+     "AsyncLLM._add_request checks admission before it registers a request"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.add_request",
+     "self.check_admission(parent_params.n",
+     "AsyncLLM.add_request checks admission for n > 1"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.add_request",
+     "RequestOutputCollector(params.output_kind, request.request_id)",
+     "AsyncLLM.add_request returns a collector named by the request id"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM.__init__", "self.admission_stats =",
+     "AsyncLLM keeps admission_stats"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.get_num_queued_tokens",
+     "req.prompt_len for req in self.request_states.values() if req.is_prefilling",
+     "OutputProcessor counts queued tokens from request_states"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.__init__",
+     "self.parent_requests:", "OutputProcessor keeps parent_requests"),
+    ("vllm.v1.engine.parallel_sampling", "ParentRequest.__init__",
+     "self.child_requests =", "ParentRequest keeps its child_requests"),
+    ("vllm.entrypoints.generate.base.serving", "GenerateBaseServing._preflight",
+     "self.engine_client.check_admission(n)",
+     "GenerateBaseServing._preflight checks admission"),
+    *[(module, function, "await self._check_model(request)",
+       f"{function} checks the model before its admission check")
+      for module, function in (
+          ("vllm.entrypoints.openai.chat_completion.serving",
+           "OpenAIServingChat.render_chat_request"),
+          ("vllm.entrypoints.openai.completion.serving",
+           "OpenAIServingCompletion.render_completion_request"),
+          ("vllm.entrypoints.openai.responses.serving",
+           "OpenAIServingResponses._create_responses"),
+          ("vllm.entrypoints.scale_out.token_in_token_out.serving",
+           "ServingTokens.serve_tokens"))],
+    ("vllm.v1.engine.core", "EngineCore.__init__", "self.vllm_config = vllm_config",
+     "EngineCore keeps its vllm_config"),
+    # Per-user cache salt (integration/cache_salt.py): the salt set on a
+    # prompt at the funnel reaches the block hashes.
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs",
+     'cache_salt=decoder_input.get("cache_salt")',
+     "InputProcessor.process_inputs takes a request's cache_salt from its prompt"),
+    ("vllm.renderers.base", "BaseRenderer._process_tokens",
+     'if cache_salt := prompt.get("cache_salt")',
+     "BaseRenderer keeps a raw prompt's cache_salt"),
+    ("vllm.v1.request", "Request.from_engine_core_request",
+     "cache_salt=request.cache_salt",
+     "Request takes its cache_salt from the EngineCoreRequest"),
+    ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys",
+     '("cache_salt", request.cache_salt)',
+     "the hash of a request's first KV block mixes in its cache_salt"),
+    ("vllm.v1.engine.async_llm", "AsyncLLM._add_streaming_input_request",
+     "prompt=input_chunk.prompt",
+     "AsyncLLM processes each streamed input from its prompt"),
     # Where a step is settled while the model runs (integration/scheduler.py).
-    (
-        "vllm.v1.engine.core",
-        "EngineCore.step",
-        "self.scheduler.get_grammar_bitmask(scheduler_output)",
-        "EngineCore.step asks the scheduler for the step's grammar bitmask "
-        "while the worker runs the step",
-    ),
-]
-# Every `from vllm... import name` of this package must resolve.
-PACKAGE_DIR = Path(__file__).parent
+    ("vllm.v1.engine.core", "EngineCore.step",
+     "self.scheduler.get_grammar_bitmask(scheduler_output)",
+     "EngineCore.step asks the scheduler for the step's grammar bitmask while the "
+     "worker runs the step"),
+]  # fmt: skip
+
+
+def record_admission_rejection(engine_client: Any, reason: str) -> None:
+    """Count a refusal of vLLM's global caps in vLLM's own counter."""
+    engine_client._record_admission_rejection(reason)
 
 
 def api_key_guarded_prefixes() -> tuple[str, ...]:
@@ -572,144 +482,8 @@ def resolve(module: str, path: str) -> Any:
     return owner
 
 
-def seam_problems(
-    source: Source,
-    *,
-    api: bool = True,
-    imports: bool = True,
-    also_imports_of: tuple[str | Path, ...] = (),
-) -> list[str]:
-    """Every internal this plugin relies on that ``source`` lacks or changed.
-
-    ``api=False`` skips the OpenAI request classes (engine processes never
-    import the API server); ``imports=False`` skips checking that every vLLM
-    name this package imports exists (at start-up Python checks the ones
-    it needs as it imports them); ``also_imports_of`` adds folders whose
-    vLLM imports must resolve too (the tests).
-    """
-    problems = []
-    init = source.function(_SCHEDULER, "Scheduler.__init__")
-    for name in HOST_ATTRIBUTES:
-        # Assigned (perhaps annotated) in vLLM's Scheduler.__init__.
-        if init is None or not any(
-            f"self.{name}{end}" in init.source for end in (" =", ":")
-        ):
-            problems.append(f"no longer true: Scheduler keeps {name}")
-    request_init = source.function("vllm.v1.request", "Request.__init__")
-    for name in REQUEST_FIELDS:
-        if request_init is None or not any(
-            f"self.{name}{end}" in request_init.source for end in (" =", ":")
-        ):
-            problems.append(f"no longer true: Request keeps {name}")
-    for module, path, params in EXPECTED_SIGNATURES:
-        function = source.function(module, path)
-        if function is None:
-            problems.append(f"{module}.{path} no longer exists")
-            continue
-        names = function.params
-        if params not in (names[: len(params)], names[1 : len(params) + 1]):
-            problems.append(f"{module}.{path}{tuple(names)} expected {params}")
-    methods = [(cls, "to_sampling_params") for cls in REQUEST_CLASSES]
-    methods += [(cls, "to_beam_search_params") for cls in BEAM_SEARCH_CLASSES]
-    for (module, name), method in methods if api else []:
-        if source.function(module, f"{name}.{method}") is None:
-            problems.append(f"{module}.{name}.{method} no longer exists")
-    for module, path, needle, fact in SOURCE_FACTS:
-        function = source.function(module, path)
-        if function is None or needle not in function.source:
-            problems.append(f"no longer true: {fact}")
-    if api and isinstance(source, LiveSource):
-        problems += _funnel_problems()
-        try:
-            api_key_guarded_prefixes()
-        except (ImportError, AttributeError):
-            problems.append(f"{'.'.join(API_KEY_GUARD)} no longer exists")
-        except SeamMovedError as exc:
-            problems.append(str(exc))
-    for need in vllm_imports(PACKAGE_DIR, *also_imports_of) if imports else []:
-        if not any(
-            all(
-                source.defines(module, name) if name else source.has_module(module)
-                for module, name in option
-            )
-            for option in need.options
-        ):
-            problems.append(need.describe())
-    return problems
-
-
-def verify_seams(
-    *, api: bool = True, imports: bool = False, source: Source | None = None
-) -> None:
-    """Raise SeamMovedError naming every internal that is gone or changed
-    (in the installed vLLM unless ``source`` says otherwise)."""
-    problems = seam_problems(source or LiveSource(), api=api, imports=imports)
-    if problems:
-        raise SeamMovedError(
-            "vllm-output-rate cannot hook into this vLLM: " + "; ".join(problems)
-        )
-
-
-def _funnel_problems() -> list[str]:
-    """Every path of the engine client into the engine core goes through
-    ``FUNNEL`` (so that no route can bypass trusted identity)."""
-    module, name = ENGINE_CLIENT
-    where = f"{module}.{name}"
-    try:
-        client = resolve(module, name)
-        funnel = getattr(client, FUNNEL)
-    except (ImportError, AttributeError):
-        return [f"{where}.{FUNNEL} no longer exists"]
-    problems = []
-    names = list(inspect.signature(inspect.unwrap(funnel)).parameters)
-    if names[: len(FUNNEL_PARAMS)] != FUNNEL_PARAMS:
-        problems.append(f"{where}.{FUNNEL}{tuple(names)} expected {FUNNEL_PARAMS}")
-    sources = {
-        attr: inspect.getsource(value)
-        for attr, value in vars(client).items()
-        if inspect.isfunction(value)
-    }
-    for call, allowed in ENGINE_ENTRY_CALLERS.items():
-        callers = {attr for attr, source in sources.items() if call in source}
-        if not callers & allowed:
-            problems.append(f"no longer true: {where} sends requests by {call}...)")
-        for caller in sorted(callers - allowed):
-            problems.append(
-                f"{where}.{caller} calls {call}...) outside {where}.{FUNNEL}"
-            )
-    return problems
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m vllm_output_rate.seams [DIR]``: check the installed vLLM,
-    or the vLLM source tree in DIR (e.g. an unpacked wheel of a release
-    that cannot run here)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.seams")
-    parser.add_argument(
-        "vllm_source",
-        nargs="?",
-        help="folder holding the vllm package (default: installed)",
-    )
-    args = parser.parse_args(argv)
-    source = StaticSource(args.vllm_source) if args.vllm_source else LiveSource()
-    problems = seam_problems(source)
-    for problem in problems:
-        print(f"MOVED: {problem}")
-    checked = (
-        len(EXPECTED_SIGNATURES)
-        + len(SOURCE_FACTS)
-        + len(HOST_ATTRIBUTES)
-        + len(REQUEST_CLASSES)
-        + len(BEAM_SEARCH_CLASSES)
-    )
-    print(
-        f"{source.name}: {len(problems)} problem(s) in {checked} seams and "
-        f"{len(vllm_imports(PACKAGE_DIR))} imports"
-    )
-    return 1 if problems else 0
-
-
 if __name__ == "__main__":
+    # ``python -m vllm_output_rate.seams [DIR]`` (``make vllm-next``).
+    from vllm_output_rate.seams_check import main
+
     raise SystemExit(main())

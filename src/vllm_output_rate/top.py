@@ -6,7 +6,10 @@ the engine delivered over the last ``--window`` seconds (engine clock, so
 HTTP jitter does not show), the resident requests throttled in the engine's
 last step, tokens and refunds since the user's record began, and the mean
 time to first token of the requests that got one in the window (engine
-side: arrival in the scheduler to the step that samples it).
+side: arrival in the scheduler to the step that samples it), and how many
+of its requests the API server refused at admission in the window (HTTP 429
+over its own caps, 503 over vLLM's; counted by the API server that answers
+the stats route).
 
 On a terminal it redraws in place on the alternate screen (like ``top``; fine
 over SSH), fitting the table to the terminal's height; otherwise (a pipe)
@@ -65,6 +68,7 @@ class UserRow:
     refunds: int
     ttft_s: float | None  # mean over the window's first tokens
     idle_s: float
+    refused: int = 0  # requests refused at admission in the window
 
 
 def fetch(client: httpx.Client, base_url: str, admin_key: str) -> Sample:
@@ -172,9 +176,15 @@ class Window:
                     refunds=int(now["refunds"]),
                     ttft_s=waited / firsts if firsts > 0 else None,
                     idle_s=float(now["idle_s"]),
+                    refused=max(0, _refusals(now) - _refusals(then)),
                 )
             )
         return rows
+
+
+def _refusals(record: dict[str, Any]) -> int:
+    """Admission refusals on record (servers without admission have none)."""
+    return sum(int(n) for n in (record.get("rejections") or {}).values())
 
 
 def sort_rows(rows: list[UserRow], key: str) -> list[UserRow]:
@@ -243,6 +253,13 @@ def render(
             lambda r: f"{r.refunds:,}" if r.refunds else "",
         ),
         ("TTFT ms", "", "right", True, _ttft_ms),
+        (
+            "refused",
+            str(sum(r.refused for r in rows)),
+            "right",
+            False,
+            lambda r: f"{r.refused:,}" if r.refused else "",
+        ),
         ("idle s", "", "right", False, lambda r: _number(r.idle_s, 0)),
     ]
     columns = [c for c in columns if wide or c[3]]

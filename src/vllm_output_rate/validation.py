@@ -1,16 +1,21 @@
 """The two checks every input goes through: a user name and a rate (no vLLM import).
 
 One set of rules for every way in (flags, limits file, admin endpoint, API
-keys file, request bodies, the limiter's own API), so a name accepted in one
-place is never refused in another. Errors are ``OutputRateConfigError`` (a
-``ValueError``) whose message names where the value came from.
+keys file, request bodies and headers, the limiter's own API), so a name
+accepted in one place is never refused in another. Errors are
+``OutputRateConfigError`` (a ``ValueError``) whose message names where the
+value came from.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 MAX_USER_NAME_LENGTH = 256
+# C0 controls, DEL and C1 controls: never part of a name, and a name is
+# printed to terminals (``top``), logs and metrics labels.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 class OutputRateConfigError(ValueError):
@@ -18,7 +23,8 @@ class OutputRateConfigError(ValueError):
 
 
 def validate_user_name(user: object, where: str = "user") -> str:
-    """Return ``user`` if it is a non-empty string of at most 256 characters."""
+    """Return ``user`` if it is a non-empty string of at most 256 characters
+    without control characters."""
     if not isinstance(user, str):
         raise OutputRateConfigError(
             f"{where}: user name must be a string, got {user!r}"
@@ -31,6 +37,10 @@ def validate_user_name(user: object, where: str = "user") -> str:
         raise OutputRateConfigError(
             f"{where}: user name {user[:40]!r}... is {len(user)} characters long; "
             f"the limit is {MAX_USER_NAME_LENGTH}"
+        )
+    if _CONTROL.search(user):
+        raise OutputRateConfigError(
+            f"{where}: user name {user[:40]!r} contains a control character"
         )
     return user
 

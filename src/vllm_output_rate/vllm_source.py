@@ -1,6 +1,6 @@
 """Read vLLM's code for the seam checks: imported, or from a source tree.
 
-``seams.verify_seams`` asks the same questions of either reader:
+``seams_check.seam_problems`` asks the same questions of either reader:
 
 * ``LiveSource``: the installed vLLM, imported and inspected (what runs at
   start-up and in the tests);

@@ -1,10 +1,10 @@
-"""The batch-change count of section 9 (``benchmarks.batch_changes``), on
+"""The batch-change count of the fair-shares section (``benchmarks.batch_changes``), on
 vLLM's real scheduler: what it counts must be what the schedulers do."""
 
 from __future__ import annotations
 
 from benchmarks import batch_changes
-from benchmarks.fair_shares import ENGINE_LIMITS, ENGINE_LOAD_USERS
+from benchmarks.kinds import SATURATED_LIMITS, SATURATED_USERS
 from vllm_output_rate.scheduling.fair_share import PREFILL_TOKEN_COST, TURN_TOKENS
 
 STEPS = 400
@@ -24,7 +24,7 @@ def test_ours_shares_the_slots_and_changes_its_batch_rarely(
     tiny_model_path: str,
 ) -> None:
     ours = batch_changes.count(tiny_model_path, ours=True, steps=STEPS)
-    active = ENGINE_LIMITS["max_num_active_seqs"]
+    active = SATURATED_LIMITS["max_num_active_seqs"]
     # Requests ending (active / MAX_TOKENS a step, each a change at most) plus
     # the third slot passing between the users, about once per 2 x TURN_TOKENS
     # steps: far from the 2.98 new requests a step of ranking without turns.
@@ -36,4 +36,4 @@ def test_ours_shares_the_slots_and_changes_its_batch_rarely(
     # most one step charges a user (a token and its prompt).
     bound = 1 + PREFILL_TOKEN_COST * batch_changes.PROMPT_TOKENS + TURN_TOKENS
     assert ours["largest_gap"] <= bound
-    assert set(ours["scheduled"]) == set(ENGINE_LOAD_USERS)
+    assert set(ours["scheduled"]) == set(SATURATED_USERS)

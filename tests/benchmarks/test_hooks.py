@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import hooks, servers, step_timing
+from benchmarks import hooks, step_timing
 
 
 def run_python(
@@ -44,7 +44,7 @@ def test_the_hook_installs_from_anywhere_and_keeps_the_seam_checks_true(
         path,
         {step_timing.PATH_ENV: str(tmp_path / "timing.json")},
         "from vllm.v1.core.sched.scheduler import Scheduler\n"
-        "from vllm_output_rate.seams import verify_seams\n"
+        "from vllm_output_rate.seams_check import verify_seams\n"
         "assert Scheduler.schedule.__wrapped__\n"
         "verify_seams(api=False)\n",
     )
@@ -52,26 +52,6 @@ def test_the_hook_installs_from_anywhere_and_keeps_the_seam_checks_true(
     log = tmp_path / "engine.log"
     log.write_text(done.stderr)
     assert hooks.check_log(log, step_timing.HOOK_NAME) == 1
-
-
-def test_the_no_idle_wait_hook_replaces_the_wait(tmp_path: Path) -> None:
-    path = hooks.install(tmp_path / "hook", servers.NO_IDLE_WAIT_HOOK)
-    code = (
-        "from vllm_output_rate.integration import engine_loop\n"
-        "print(engine_loop.wait_for_budget.__name__)\n"
-    )
-    on = run_python(tmp_path, path, {servers.NO_IDLE_WAIT_ENV: "1"}, code)
-    assert on.returncode == 0, on.stderr[-2000:]
-    assert on.stdout.strip() == "<lambda>"
-    log = tmp_path / "on.log"
-    log.write_text(on.stderr)
-    assert hooks.check_log(log, servers.NO_IDLE_WAIT_HOOK_NAME) == 1
-    # Without its variable the hook does nothing (and says nothing).
-    off = run_python(tmp_path, path, {servers.NO_IDLE_WAIT_ENV: ""}, code)
-    assert off.stdout.strip() == "wait_for_budget"
-    log.write_text(off.stderr)
-    with pytest.raises(RuntimeError, match="did not run in any process"):
-        hooks.check_log(log, servers.NO_IDLE_WAIT_HOOK_NAME)
 
 
 def test_a_failing_hook_never_breaks_start_up_but_fails_the_check(

@@ -13,23 +13,27 @@ from benchmarks.measure import median, quartiles
 from benchmarks.servers import SERVER_ARGS, common_flags
 
 
-def test_others_cpu_is_busy_time_minus_our_processes() -> None:
-    before = {1: 10.0, 2: 5.0}
-    after = {1: 11.0, 2: 5.5, 3: 0.25}  # pid 3 was born in the period
-    assert noise.others_cpu_s(3.0, before, after) == pytest.approx(1.25)
-    # Our processes' counters and the system's are read at different
-    # moments, so ours can exceed the machine's: never below zero.
-    assert noise.others_cpu_s(1.0, before, after) == 0.0
+def test_others_cores_are_busy_time_minus_our_processes() -> None:
+    before = noise._Sample()
+    before.at, before.busy, before.own = 0.0, 100.0, {1: 10.0, 2: 5.0}
+    after = noise._Sample()
+    # pid 3 was born in the period and counts from zero.
+    after.at, after.busy, after.own = 2.0, 103.0, {1: 11.0, 2: 5.5, 3: 0.25}
+    assert after.others_cores(before) == pytest.approx(1.25 / 2)
+    # Ours and the machine's counters are read at different moments, so
+    # ours can exceed the machine's: never below zero.
+    after.busy = 101.0
+    assert after.others_cores(before) == 0.0
 
 
 def test_tree_cpu_counts_this_process_and_a_gone_one_as_nothing() -> None:
-    ours = noise.own_cpu()
+    ours = noise.tree_cpu()
     assert ours and all(v >= 0 for v in ours.values())
     assert noise.tree_cpu(2**22 + 12345) == {}  # above Linux's pid_max
 
 
 def test_the_noise_monitor_accounts_per_period() -> None:
-    monitor = noise.NoiseMonitor(interval_s=0.05)
+    monitor = noise.NoiseMonitor()
     monitor.start()
     try:
         monitor.mark("a")

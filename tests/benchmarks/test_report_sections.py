@@ -1,5 +1,6 @@
-"""The store (7) and speculative decoding (8) sections, from results shaped
-as ``benchmarks.store.run`` and ``benchmarks.speculative.run`` return them."""
+"""Each section's verdicts and figures, from results shaped as its measuring
+module returns them, and the measuring helpers whose logic decides a
+verdict (no server, no engine)."""
 
 from __future__ import annotations
 
@@ -8,592 +9,331 @@ from typing import Any
 
 import pytest
 
-from benchmarks.report import speculative, store
+from benchmarks.fair_shares import SCENARIOS, engine_shares, opening_order, summarize
+from benchmarks.report import accuracy, fair_shares, isolation, speculative, store
+from benchmarks.report import throughput as throughput_report
+from benchmarks.speculative import bound_excess
+from harness.bounds import S
 
 
-def store_results(ratio: float) -> dict[str, Any]:
+def timing(steps: int, schedule_us: float, step_us: float) -> dict[str, float]:
+    """One engine's step timing as ``benchmarks.step_timing.read`` gives it."""
     return {
-        "accuracy": {
-            "split 3:1": {
-                "limit": 100.0,
-                "streams": [3, 1],
-                "delivered_per_engine": [1500, 500],
-                "ratio": ratio,
-                "max_in_1s_window": 111,
-                "bound_1s": 112.0,
-            }
+        "steps": steps,
+        "schedule_us": schedule_us,
+        "vllm_schedule_us": 90.0,
+        "update_us": 50.0,
+        "bitmask_us": 5.0,
+        "engine_step_us": step_us,
+    }
+
+
+def engine(pair: str, ratio: float, labels: tuple[str, str] = ("stock", "ours")):
+    """``engine_throughput``'s results for one pair."""
+    return {
+        "pair": pair,
+        "description": "limits far above demand",
+        "labels": {"baseline": labels[0], "candidate": labels[1]},
+        "rounds": 4,
+        "streams": 32,
+        "max_tokens": 256,
+        "tokens_per_round": 32768,
+        "continuous": False,
+        "tok_s": {"baseline": [100.0] * 4, "candidate": [100.0 * ratio] * 4},
+        "ratios": [ratio - 0.02, ratio, ratio, ratio + 0.02],
+        "ratio_median": ratio,
+        "ratio_quartiles": [ratio - 0.01, ratio + 0.01],
+        "step_timing": {
+            "baseline": timing(1000, 100.0, 2000.0),
+            "candidate": timing(1000, 110.0, 2010.0),
         },
+    }
+
+
+def test_engine_throughput_is_judged_per_pair(tmp_path: Path) -> None:
+    results = {
+        "pairs": {"plain": engine("plain", 1.01), "hybrid": engine("hybrid", 0.9)}
+    }
+    rows = throughput_report.summary_rows(results)
+    assert [(what, met) for what, _, _, met in rows] == [
+        ("engine throughput, plain", True),
+        ("engine throughput, hybrid", False),
+    ]
+    assert throughput_report.headlines(results) == {
+        "plain_engine": 1.01,
+        "hybrid_engine": 0.9,
+    }
+    text = throughput_report.section(results, tmp_path / "figs", tmp_path)
+    assert "ours / stock **1.010 [1.00-1.02]**" in text
+    assert "| `schedule()` | 100.0 | 110.0 |" in text
+    # +10 µs over stock's 2,000 µs step; busy time 2,000,000 / 2,010,000.
+    assert "+10.0 µs a step against stock's, +0.5%" in text
+    assert "0.995" in text
+    assert (tmp_path / "figs" / throughput_report.FIGURE).stat().st_size > 0
+
+
+def store_results(trips: tuple[float, float], engine_ratio: float) -> dict[str, Any]:
+    return {
         "round_trips": {
             str(users): {
-                "round_trips_per_s": 10.0,
+                "round_trips_per_s": per_s,
                 "users_asked_per_s": users / 2,
                 "tokens_per_s": 100.0 * users,
                 "rtt_mean_ms": 0.2,
             }
-            for users in (10, 100, 1000)
+            for users, per_s in zip((10, 1000), trips, strict=True)
         },
-        "step_cost": {
-            "users": 10_000,
-            "local_ms": 10.0,
-            "store_ms": 10.4,
-            "ratio": 1.04,
-        },
+        "engine": engine("store", engine_ratio, ("ours", "ours with the store")),
     }
 
 
 def test_the_store_section_judges_each_target(tmp_path: Path) -> None:
-    rows = store.summary_rows(store_results(1.0))
-    assert [met for *_, met in rows] == [True, True, None]
-    assert store.summary_rows(store_results(0.9))[0][3] is False
-    text = store.section(store_results(1.0), tmp_path, tmp_path)
-    assert text.startswith("## 7. Several engines sharing a store")
-    assert "| split 3:1 | 100 | 3/1 | 1500/500 | 1.000 | 111 (112) |" in text
+    good = store_results((10.0, 10.5), 0.99)
+    assert [met for *_, met in store.summary_rows(good)] == [True, True]
+    # Round trips that grow with the users (or tokens), an engine 5 % slower.
+    bad = store_results((10.0, 20.0), 0.95)
+    assert [met for *_, met in store.summary_rows(bad)] == [False, False]
+    text = store.section(good, tmp_path, tmp_path)
+    assert "| 1000 | 10.5 | 500 | 100000 | 0.20 |" in text
+    assert "ours with the store / ours **0.990" in text
+    assert store.headlines(good) == {"store_engine": 0.99}
 
 
-def speculative_results(delivered: float, bound_held: bool) -> dict[str, Any]:
-    figures = {
-        "acceptance": {"greedy": 0.80, "temperature 1": 0.40},
-        "throughput_tok_s": 1000.0,
-    }
+def spec_results(critical: dict[int, float], greedy: float) -> dict[str, Any]:
+    def rate(value: float) -> dict[str, Any]:
+        rounds = [{"throttled_request_steps": 0.0}]
+        return {"rounds": rounds, "rate": value, "min": value, "max": value}
+
     return {
-        "step_cost": {"R=64": {"ratio": 1.01, "ours_us": 101.0, "stock_us": 100.0}},
+        "step_cost": {
+            f"R={r},U={r // 4}": {
+                "critical_ratio": ratio,
+                "ours_critical_us": 100.0 * ratio,
+                "stock_critical_us": 100.0,
+                "step_ratio": ratio + 0.03,
+            }
+            for r, ratio in critical.items()
+        },
+        "engine": engine("speculative", 1.02),
         "servers": {
-            "stock": figures,
-            "ours": {**figures, "throughput_tok_s": 990.0},
+            "acceptance": {
+                "greedy": {"ours": rate(0.8 * greedy), "stock": rate(0.8)},
+                "temperature 1": {"ours": rate(0.1), "stock": rate(0.2)},
+            },
             "accuracy": {
                 "at-20": {
                     "limit": 20,
-                    "delivered_per_limit": delivered,
-                    "bound_held": bound_held,
+                    "delivered_per_limit": 1.001,
+                    "bound_held": True,
+                    "bound_excess_tokens": -1.5,
                 }
             },
         },
     }
 
 
-def test_the_speculative_section_judges_each_target(tmp_path: Path) -> None:
-    rows = speculative.summary_rows(speculative_results(1.004, True))
-    assert [met for *_, met in rows] == [True, True, True, True]
-    broken = speculative.summary_rows(speculative_results(1.004, False))
-    assert broken[-1][3] is False
-    fast = speculative.summary_rows(speculative_results(1.05, True))
-    assert fast[-1][3] is False
-    text = speculative.section(speculative_results(1.0, True), tmp_path, tmp_path)
-    assert text.startswith("## 8. Speculative decoding")
-    assert "ours 0.800, stock 0.800 (ratio 1.000)" in text
-    assert "bound held" in text
-
-
-def test_speculative_throughput_is_judged_on_the_engine_when_measured(
-    tmp_path: Path,
-) -> None:
-    """The servers' ratio (0.99 here) is context once the engine's paired
-    rounds are there (0.95: missed)."""
-    results = speculative_results(1.0, True)
-    results["engine"] = {
-        "ratio_median": 0.95,
-        "ratio_quartiles": [0.93, 0.97],
-        "rounds": 16,
-    }
+def test_the_speculative_step_is_judged_from_64_requests(tmp_path: Path) -> None:
+    # R = 16 reads 1.08 (a fixed cost a step): reported, not judged.
+    results = spec_results({16: 1.08, 64: 1.01, 256: 1.02}, greedy=1.0)
     rows = speculative.summary_rows(results)
-    row = next(r for r in rows if "throughput" in r[0])
-    assert row[0].startswith("8. speculative: engine throughput") and row[3] is False
-    assert row[2] == "0.950 [0.93-0.97]"
+    assert [met for *_, met in rows] == [True, True, True, True]
+    assert rows[0][2] == "schedule() 1.010-1.020"
+    assert speculative.headlines(results) == {
+        "speculative_engine": 1.02,
+        "speculative_step": 1.02,
+    }
+    worse = spec_results({16: 1.0, 64: 1.06}, greedy=0.9)
+    assert [met for *_, met in speculative.summary_rows(worse)] == [
+        False,
+        True,
+        False,
+        True,
+    ]
     text = speculative.section(results, tmp_path, tmp_path)
-    assert "ours/stock 0.950 [0.930-0.970], median of 16 paired rounds" in text
-    # Just below the target: four digits, so that the figure does not read
-    # as the target it missed.
-    results["engine"]["ratio_median"] = 0.9795
-    row = next(r for r in speculative.summary_rows(results) if "throughput" in r[0])
-    assert row[2] == "0.9795 [0.93-0.97]" and row[3] is False
-
-
-def test_the_speculative_step_is_judged_on_what_the_engine_waits_for(
-    tmp_path: Path,
-) -> None:
-    """Since the settling moved to get_grammar_bitmask(), schedule() alone is
-    judged (1.03 here: met) and schedule() with the settling (1.12) is
-    context; a critical path over the target is still missed."""
-    results = speculative_results(1.0, True)
-    cost = {
-        "ratio": 1.12,
-        "ours_us": 112.0,
-        "stock_us": 100.0,
-        "critical_ratio": 1.03,
-        "ours_critical_us": 93.0,
-        "stock_critical_us": 90.0,
-    }
-    results["step_cost"] = {"R=64,U=16": cost}
-    row = speculative.summary_rows(results)[0]
-    assert row[3] is True
-    assert row[2] == (
-        "schedule() 1.030-1.030; with the settling beside the model 1.120-1.120"
-    )
-    text = speculative.section(results, tmp_path, tmp_path)
-    assert "ours/stock 1.03 (93 vs 90 µs) | within 5 % |" in text
-    assert "ours/stock 1.12 (112 vs 100 µs) | not judged |" in text
-    results["step_cost"] = {"R=64,U=16": {**cost, "critical_ratio": 1.06}}
-    assert speculative.summary_rows(results)[0][3] is False
-
-
-def test_the_speculative_step_target_holds_from_64_requests(tmp_path: Path) -> None:
-    """As in section 2: at R = 16 stock's step is so short that the
-    plugin's fixed cost a step reads over 1.05; it is shown, not judged, and
-    the engine's step timing says what it costs a step with the model."""
-    results = speculative_results(1.0, True)
-    cost = {
-        "ratio": 1.10,
-        "ours_us": 110.0,
-        "stock_us": 100.0,
-        "critical_ratio": 1.01,
-        "ours_critical_us": 91.0,
-        "stock_critical_us": 90.0,
-    }
-    results["step_cost"] = {
-        "R=16,U=4": {**cost, "critical_ratio": 1.06},
-        "R=64,U=16": cost,
-    }
-    row = speculative.summary_rows(results)[0]
-    assert row[1] == "ours / stock <= 1.05 from R = 64"
-    assert row[3] is True
-    assert row[2].endswith("; R=16,U=4, not judged: 1.060")
-    results["step_cost"]["R=64,U=16"] = {**cost, "critical_ratio": 1.051}
-    assert speculative.summary_rows(results)[0][3] is False
-    timing = {
-        "steps": 1000,
-        "schedule_us": 200.0,
-        "vllm_schedule_us": 190.0,
-        "update_us": 100.0,
-        "bitmask_us": 5.0,
-        "engine_step_us": 2200.0,
-    }
-    results["engine"] = {
-        "ratio_median": 1.0,
-        "ratio_quartiles": [0.99, 1.01],
-        "rounds": 32,
-        "step_timing": {
-            "stock-speculative": {**timing, "schedule_us": 189.0},
-            "ours-speculative": timing,
-        },
-    }
-    text = speculative.section(results, tmp_path, tmp_path)
-    assert "reported (a fixed cost a step; judged from R = 64) |" in text
-    assert "**11.0 µs more per step** than stock's, 0.5% of stock's engine" in text
+    assert "| R=16,U=4 | 1.080 | 108 / 100 | 1.110 | reported |" in text
+    assert "| at-20 | 20 | 1.001 | held | -1.500 |" in text
 
 
 def test_the_bound_excess_counts_tokens_beyond_the_bound() -> None:
-    from benchmarks.speculative import bound_excess
-
     paced = [round(i * 1e9 / 20) for i in range(40)]  # exactly 20 tok/s
     assert bound_excess(paced, 20) == pytest.approx(-2.0)  # the unused burst
     crowded = sorted([*paced, paced[10] + 1, paced[10] + 2, paced[10] + 3])
     assert bound_excess(crowded, 20) == pytest.approx(1.0, abs=1e-6)
 
 
-def fair_runs(light_share: float) -> list[dict[str, Any]]:
-    """One round of each scenario on each server, shaped as
-    ``benchmarks.fair_shares.servers`` records them."""
-    from benchmarks.fair_shares import SCENARIOS
-
+def fair_runs(light_share: float, floored_tok_s: float = 60.0) -> list[dict]:
+    """One round of each scenario on each server, as ``fair_shares.servers``
+    records them: ours with the engine's figures, stock without."""
     runs = []
     for scenario, streams in SCENARIOS.items():
         first, second = streams
-        for server in ("stock", "ours"):
-            share = {"weights": light_share, "equal": 0.5, "floor": 0.2}[scenario]
-            if server == "stock":
-                share = 0.1
-            total = 300.0
-            runs.append(
-                {
-                    "scenario": scenario,
-                    "server": server,
-                    "round": 0,
-                    "window_s": 10.0,
-                    "total_tok_s": total,
-                    first: {
-                        "tok_s": total * (1 - share),
-                        "share": 1 - share,
-                        "ttft_p50_ms": 50.0,
-                        "ttft_p95_ms": 90.0,
-                        "requests": 9,
-                    },
-                    second: {
-                        "tok_s": total * share,
-                        "share": share,
-                        "ttft_p50_ms": 5.0,
-                        "ttft_p95_ms": 9.0,
-                        "requests": 20,
-                    },
-                }
-            )
+        share = {"weights": light_share, "equal": 0.5, "floor": 0.2}[scenario]
+        tok_s = floored_tok_s if scenario == "floor" else 300.0 * share
+        figures = {
+            first: {"tok_s": 300.0 - tok_s, "share": 1 - share},
+            second: {"tok_s": tok_s, "share": share},
+        }
+        runs.append(
+            {"scenario": scenario, "server": "stock", "round": 0, "failed": 0}
+            | {first: {"tok_s": 290.0, "share": 0.97}}
+            | {second: {"tok_s": 10.0, "share": 0.03}, "total_tok_s": 300.0}
+        )
+        runs.append(
+            {"scenario": scenario, "server": "ours", "round": 0, "failed": 0}
+            | figures
+            | {"total_tok_s": 300.0, "engine": figures | {"window_s": 10.0}}
+        )
     return runs
 
 
-def step_timing(steps: int, schedule_us: float, step_us: float) -> dict[str, Any]:
-    """One engine's totals as ``benchmarks.step_timing.read`` gives them."""
-    return {
-        "steps": steps,
-        "schedule_us": schedule_us,
-        "vllm_schedule_us": 90.0,
-        "update_us": 50.0,
-        "engine_step_us": step_us,
-        "worker_execute_us": step_us - schedule_us - 100.0,
-        "worker_update_states_us": schedule_us / 5,
-        "worker_forward_us": 1000.0,
-    }
-
-
-def fair_results(light_share: float, engine_ratio: float) -> dict[str, Any]:
-    from benchmarks.fair_shares import summarize
-
-    runs = fair_runs(light_share)
+def fair_results(runs: list[dict], engine_ratio: float) -> dict[str, Any]:
+    saturated = engine("saturated", engine_ratio)
+    saturated["continuous"] = True
     return {
         "servers": {"runs": runs, "summary": summarize(runs)},
-        "engine": {
-            "rounds": 4,
-            "streams": 12,
-            "max_tokens": 64,
-            "generates_per_round": 2,
-            "ratio_median": engine_ratio,
-            "ratio_quartiles": [engine_ratio - 0.01, engine_ratio + 0.01],
-            "step_timing": {
-                "stock-saturated": step_timing(1000, 100.0, 2000.0),
-                "ours-saturated": step_timing(1010, 150.0, 2050.0),
-            },
+        "engine": saturated,
+        "batch_changes": {
+            "steps": 3000,
+            "stock": {"changes": 46, "kept_steps": None, "largest_gap": 600},
+            "ours": {"changes": 229, "kept_steps": 2647, "largest_gap": 20},
         },
-        "cost": {
+        "ranking_cost": {
             "requests": 1024,
             "rounds": 10,
             "subjects": {
-                "stock": {"schedule_ms": 10.0, "step_ratio_to_stock": 1.0},
-                "U=256": {"schedule_ms": 18.0, "step_ratio_to_stock": 1.8},
+                "stock": {"step_ms": 10.0, "ratio": 1.0},
+                "U=256": {
+                    "step_ms": 18.0,
+                    "ratio": 1.8,
+                    "plugin_calls_per_step": 9271.0,
+                },
             },
         },
     }
 
 
-def test_the_fair_shares_section_says_how_the_engine_was_loaded(
-    tmp_path: Path,
-) -> None:
-    from benchmarks.engine_throughput import load_for
-    from benchmarks.report import fair_shares
-
-    load = load_for(saturated=True)
-    assert load.continuous and load.tokens_per_round == 2 * 36 * 64
-    assert not load_for(saturated=False).continuous
-    results = fair_results(2 / 3, 0.99)
-    closed = fair_shares.section(results, tmp_path, tmp_path)
-    assert "each round generates 2 batches of 12 requests" in closed
-    assert "the end of each batch" in closed
-    results["engine"]["continuous"] = True
-    kept_full = fair_shares.section(results, tmp_path, tmp_path)
-    assert "keeps 12 streams of two users busy" in kept_full
-    assert "for 1,536 tokens" in kept_full
-    assert "the timed rounds keep the engine full" in kept_full
-    results["engine"]["continuous_warm_up"] = True
-    warmed_full = fair_shares.section(results, tmp_path, tmp_path)
-    assert "the warm-ups' included, is of an engine kept full" in warmed_full
-    assert "closed batches" not in warmed_full.split("For the same tokens")[1]
-
-
 def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
-    from benchmarks.report import fair_shares
-
-    rows = fair_shares.summary_rows(fair_results(2 / 3, 0.99))
-    # weights 2:1, equal 1:1, the floor (0.2 x 300 = 60 tok/s), engine throughput
-    assert [met for *_, met in rows] == [True, True, True, True]
-    # 0.6 : 0.4 is 1.5 : 1, not 2 : 1 within 10 %; the engine lost 5 %
-    rows = fair_shares.summary_rows(fair_results(0.6, 0.95))
-    assert [met for *_, met in rows] == [False, True, True, False]
-    text = fair_shares.section(fair_results(2 / 3, 0.99), tmp_path, tmp_path)
-    assert text.startswith("## 9. Fair shares on a saturated engine")
-    row = "| weights | ours | 1 | light | 200 | 0.667 | 5 / 9 | 20 | 300 | 0 | - | - |"
-    assert row in text
-    assert (tmp_path / fair_shares.FIGURE).exists()
-    # Where the engine time went: 1 % more steps of 2.5 % more cost each.
-    assert "| steps | 1,000 | 1,010 |" in text
-    assert "takes **50.0 µs more per step**" in text
-    assert "ours ran +1.0% steps" in text and "of +2.5% cost each" in text
-    assert "summed over every step of both engines): **0.966**" in text
-    assert "| of which the batch's update (`_update_states`) | 20.0 | 30.0 |" in text
-    assert "The model worker's side of a step took +0 µs (+10 µs in" in text
-    busy = "0.990 [0.98-1.00]; engine cores' busy time, stock / ours: 0.966"
-    assert fair_shares.summary_rows(fair_results(2 / 3, 0.99))[-1][2] == busy
+    met = fair_results(fair_runs(2 / 3), 0.99)
+    assert [m for *_, m in fair_shares.summary_rows(met)] == [True] * 4
+    # light 0.6 is 1.5 : 1, not within 10 % of 2 : 1; the floor 50 < 0.9 x 60.
+    missed = fair_results(fair_runs(0.6, floored_tok_s=50.0), 0.97)
+    assert [m for *_, m in fair_shares.summary_rows(missed)] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    assert fair_shares.headlines(met) == {"saturated_engine": 0.99}
+    text = fair_shares.section(met, tmp_path, tmp_path)
+    assert "stock 46 times, ours 229" in text
+    assert "| U=256 | 18.00 | 1.80 | 9,271 |" in text
+    assert "| stock | 10.00 | 1.00 | - |" in text  # results before the count
+    assert "streams kept busy" in text
 
 
-def test_a_failed_request_on_ours_fails_its_verdict_and_shows() -> None:
-    from benchmarks.fair_shares import summarize
-    from benchmarks.report import fair_shares
-
-    results = fair_results(2 / 3, 0.99)
-    runs = results["servers"]["runs"]
-    next(r for r in runs if r["server"] == "stock")["failed"] = 2  # stock's own
-    results["servers"]["summary"] = summarize(runs)
-    assert next(met for *_, met in fair_shares.summary_rows(results)) is True
+def test_a_failed_request_on_ours_fails_its_verdict() -> None:
+    runs = fair_runs(2 / 3)
     next(r for r in runs if r["server"] == "ours")["failed"] = 1
-    results["servers"]["summary"] = summarize(runs)
-    assert next(met for *_, met in fair_shares.summary_rows(results)) is False
-    assert "| 300 | 1 |" in fair_shares.table(results)
+    rows = fair_shares.summary_rows(fair_results(runs, 0.99))
+    assert rows[0][3] is False
 
 
-def test_a_round_in_which_stock_delivered_nothing_has_no_throughput_ratio() -> None:
-    from benchmarks.fair_shares import summarize
-    from benchmarks.report import fair_shares
-
-    results = fair_results(2 / 3, 0.99)
-    runs = results["servers"]["runs"]
-    for run in runs:
-        if run["server"] == "stock" and run["scenario"] == "equal":
-            run["total_tok_s"] = 0.0  # its front end's slow state
-    results["servers"]["summary"] = summary = summarize(runs)
-    assert summary["equal"]["throughput_ratio"] is None
-    assert summary["weights"]["throughput_ratio"] == 1.0
-    assert "| met | - |" in fair_shares.table(results)
-
-
-def test_window_figures_count_tokens_inside_the_window_and_every_ttft() -> None:
-    from benchmarks.fair_shares import WARM_S, window_figures
-    from vllm_output_rate.loadtest.summary import RequestRecord
-
-    early = RequestRecord(user="a", stream=0, start_s=0.0)
-    early.add_chunk(1.0, 5)  # before the window: not counted
-    early.add_chunk(WARM_S + 1, 3)
-    late = RequestRecord(user="b", stream=0, start_s=WARM_S + 2)
-    late.add_chunk(WARM_S + 2.5, 1)
-    late.add_chunk(WARM_S + 20, 7)  # after the end: not counted
-    figures = window_figures([early, late], ["a", "b"], WARM_S + 10)
-    assert figures["total_tok_s"] == pytest.approx(4 / 10)
-    assert figures["a"]["share"] == pytest.approx(0.75)
-    assert figures["a"]["requests"] == 1  # TTFT of every stream
-    assert figures["a"]["ttft_p50_ms"] == pytest.approx(1000)
-    assert figures["b"]["ttft_p50_ms"] == pytest.approx(500)
-
-
-def test_ours_is_judged_at_the_engine_where_its_dispatch_log_was_read() -> None:
-    from benchmarks.fair_shares import NS_PER_S, engine_figures, summarize
-    from benchmarks.report import fair_shares
-
-    start, ms = 10 * NS_PER_S, NS_PER_S // 1000
+def test_ours_is_judged_at_the_engine_while_every_user_was_served() -> None:
+    start, ms = 10 * S, S // 1000
     dispatched = {
         # every 10 ms through the 1 s window, and one before it
         "many": [start + k * 10 * ms for k in range(101)] + [start - 5],
         # every 5 ms until its requests end at 0.5 s (and one after the window)
-        "light": [start + k * 5 * ms for k in range(101)] + [start + 3 * NS_PER_S],
+        "light": [start + k * 5 * ms for k in range(101)] + [start + 3 * S],
     }
-    engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
-    # Judged only while both were served: the first 0.5 s.
-    assert engine["window_s"] == pytest.approx(0.5)
-    assert engine["many"] == {
-        "tok_s": pytest.approx(102),  # 51 tokens in 0.5 s
-        "share": pytest.approx(51 / 152),
-        "longest_gap_s": pytest.approx(0.01),
-    }
-    assert engine["light"]["share"] == pytest.approx(101 / 152)
-    # ... but light's gap is over the whole window: nothing after 0.5 s.
-    assert engine["light"]["longest_gap_s"] == pytest.approx(0.5)
-    results = fair_results(0.3, 0.99)  # the client saw light 0.3: missed
-    runs = results["servers"]["runs"]
-    ours = next(r for r in runs if r["server"] == "ours")
-    assert next(met for *_, met in fair_shares.summary_rows(results)) is False
-    ours["engine"] = engine  # the engine gave light 2 : 1: met
-    results["servers"]["summary"] = summarize(runs)
-    assert next(met for *_, met in fair_shares.summary_rows(results)) is True
-    assert "| 102 | 0.336 |" in fair_shares.table(results)
-
-
-def test_a_user_the_engine_never_served_is_judged_over_the_whole_window() -> None:
-    from benchmarks.fair_shares import NS_PER_S, engine_figures
-
-    start = 10 * NS_PER_S
-    dispatched = {"many": [start + k for k in range(100)]}
-    engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
-    assert engine["window_s"] == pytest.approx(1.0)
-    assert engine["light"]["share"] == 0.0
-    assert engine["light"]["longest_gap_s"] == pytest.approx(1.0)
-
-
-def test_users_never_served_together_are_judged_over_the_whole_window() -> None:
-    from benchmarks.fair_shares import NS_PER_S, engine_figures
-
-    start = 10 * NS_PER_S
-    # many got the first half, light the second: no window with both.
-    dispatched = {
-        "many": [start + k for k in range(100)],
-        "light": [start + NS_PER_S // 2 + k for k in range(50)],
-    }
-    engine = engine_figures(dispatched, ["many", "light"], start, start + NS_PER_S)
-    assert engine["window_s"] == pytest.approx(1.0)
-    assert engine["light"]["share"] == pytest.approx(1 / 3)
-
-
-def test_a_round_in_which_nobody_got_a_token_does_not_stop_the_summary() -> None:
-    from benchmarks.fair_shares import median_known
-
-    assert median_known([0.5, None, 0.7]) == pytest.approx(0.6)
-    assert median_known([None, None]) is None
-
-
-def test_served_window_runs_from_the_last_first_dispatch_to_the_first_last() -> None:
-    from harness.bounds import S
-    from harness.shares import served_window
-
-    dispatched = {"a": [1 * S, 2 * S, 9 * S], "b": [3 * S, 5 * S, 12 * S]}
-    # b starts at 3 s (+1 s settling); a's last token is at 9 s.
-    assert served_window(dispatched, ["a", "b"], 0, 20 * S) == (4 * S, 9 * S)
-    assert served_window(dispatched, ["a", "b"], 0, 20 * S, settle_ns=0) == (
-        3 * S,
-        9 * S,
-    )
-    # Only dispatches inside [start, end] count: b's 12 s is outside.
-    assert served_window(dispatched, ["a", "b"], 0, 10 * S, 0) == (3 * S, 5 * S)
-    # Never served together: an empty window, for the caller to refuse.
-    begin, end = served_window({"a": [S], "b": [5 * S]}, ["a", "b"], 0, 9 * S, 0)
-    assert begin > end
-
-
-def test_longest_gap_counts_the_window_edges() -> None:
-    from benchmarks.fair_shares import NS_PER_S, longest_gap_s
-
-    s = NS_PER_S
-    # Dispatches at 1, 1.5 and 2 s in [0, 10] s: the longest gap is the
-    # 8 s after the last one (the user got nothing more).
-    assert longest_gap_s([2 * s, s, 3 * s // 2], 0, 10 * s) == 8.0
-    assert longest_gap_s([], 0, 10 * s) == 10.0
-    # Dispatches outside the window do not close a gap inside it.
-    assert longest_gap_s([11 * s, 4 * s], 0, 10 * s) == 6.0
-
-
-def test_request_timeline_lists_one_users_requests_in_sending_order() -> None:
-    from benchmarks.fair_shares import request_timeline
-    from vllm_output_rate.loadtest.summary import RequestRecord
-
-    later = RequestRecord(user="light", stream=0, start_s=16.0)
-    first = RequestRecord(user="light", stream=1, start_s=0.1, end_s=16.0)
-    first.add_chunk(0.4, 3)
-    other = RequestRecord(user="many", stream=0, start_s=0.0)
-    assert request_timeline([later, other, first], "light") == [
-        {"sent_s": 0.1, "first_token_s": 0.4, "end_s": 16.0, "tokens": 3},
-        {"sent_s": 16.0, "first_token_s": None, "end_s": None, "tokens": 0},
-    ]
-
-
-def test_judged_user_is_each_scenarios_second_user_and_nobody_in_the_warm_up() -> None:
-    from benchmarks.fair_shares import SCENARIOS, judged_user
-
-    assert judged_user({"heavy": 16, "light": 2}) == "light"
-    assert judged_user({"warm-up": 2}) is None
-    assert all(judged_user(streams) is not None for streams in SCENARIOS.values())
+    shares = engine_shares(dispatched, ["many", "light"], start, start + S)
+    assert shares["window_s"] == pytest.approx(0.5)
+    assert shares["many"]["tok_s"] == pytest.approx(102)  # 51 tokens in 0.5 s
+    assert shares["light"]["share"] == pytest.approx(101 / 152)
+    # A user never served is judged over the whole window: its share is 0.
+    alone = engine_shares({"many": [start + 1]}, ["many", "light"], start, start + S)
+    assert alone["window_s"] == pytest.approx(1.0)
+    assert alone["light"]["share"] == 0.0
 
 
 def test_the_judged_users_streams_open_first() -> None:
-    from benchmarks.fair_shares import opening_order
-
-    assert opening_order({"hog": 32, "floored": 2}) == ["floored", "hog"]
+    assert opening_order(SCENARIOS["floor"]) == ["floored", "hog"]
     assert opening_order({"warm-up": 2}) == ["warm-up"]
 
 
-def test_the_fair_shares_section_reports_batch_changes_when_counted(
+def accuracy_row(limit: float, engine_ratio: float | None, **extra: Any) -> dict:
+    return {
+        "limit": limit,
+        "streams": 4,
+        "tokens": 400,
+        "client_ratio": 1.004,
+        "engine_ratio": engine_ratio,
+        "bound_ok": True,
+        "demand_exceeds_limit": True,
+        "engine": {"gap_p50_ms": 50.0, "gap_p99_ms": 60.0, "ideal_gap_ms": 50.0},
+    } | extra
+
+
+def test_accuracy_judges_the_engine_rate_where_demand_exceeds_the_limit(
     tmp_path: Path,
 ) -> None:
-    from benchmarks.report import fair_shares
-
-    results = fair_results(2 / 3, 0.99)
-    assert "How often the batch changes" not in fair_shares.section(
-        results, tmp_path, tmp_path
-    )
-    results["batch_changes"] = {
-        "steps": 3000,
-        "streams": 36,
-        "max_tokens": 64,
-        "stock": {"changes": 46, "kept_steps": None, "largest_gap": 64},
-        "ours": {"changes": 229, "kept_steps": 2647, "largest_gap": 21},
+    assert accuracy.cell_met(accuracy_row(20, 1.004)) is True
+    assert accuracy.cell_met(accuracy_row(20, 1.026)) is False  # 1.03 rounded
+    assert accuracy.cell_met(accuracy_row(20, 1.0, bound_ok=False)) is False
+    assert accuracy.cell_met(accuracy_row(500, 0.7, demand_exceeds_limit=False)) is None
+    results = {
+        "duration_s": 20.0,
+        "batches": [["acc-20x4"], ["acc-500x4"]],
+        "batch_demand_cap": 500.0,
+        "max_tokens_cap": 3500,
+        "skip_s": 1.0,
+        "demand_margin": 1.5,
+        "probe_tok_s": [900.0, 400.0],
+        "rows": [
+            accuracy_row(20, 0.998),
+            accuracy_row(500, 0.7, demand_exceeds_limit=False),
+        ],
+        "dispatch_log_read": True,
     }
-    text = fair_shares.section(results, tmp_path, tmp_path)
-    assert "changed 46 times on stock and 229 on ours" in text
-    assert "kept the last ranking's batch in 2,647 steps" in text
-    assert "--steps 3000" in text
+    ((*_, met),) = accuracy.summary_rows(results)
+    assert met is True
+    assert accuracy.headlines(results) == {"accuracy": 0.998}
+    text = accuracy.section(results, tmp_path, tmp_path)
+    assert "1 of 1 judged cells" in text
+    assert "n.a. (demand < limit)" in text
 
 
-def test_the_step_timing_shows_the_settling_beside_the_model_when_timed() -> None:
-    from benchmarks.report.throughput import step_timing_lines
+def test_isolation_judges_b_beside_a(tmp_path: Path) -> None:
+    def summary(ratio: float) -> dict[str, Any]:
+        return {"tok_s_ratio": ratio, "ttft_ratio": 1.5, "a_tok_s_while_b": 320.0}
 
-    stock, ours = step_timing(1000, 100.0, 2000.0), step_timing(1000, 120.0, 2010.0)
-    before = "\n".join(step_timing_lines(stock, ours))
-    assert "get_grammar_bitmask" not in before  # results from before it was timed
-    stock["bitmask_us"], ours["bitmask_us"] = 0.5, 20.5
-    text = "\n".join(step_timing_lines(stock, ours))
-    assert "| `get_grammar_bitmask()` (ours: the step's settling" in text
-    assert "| 0.5 | 20.5 |" in text
-    assert "20.0 µs more per step than stock's `get_grammar_bitmask()`" in text
+    def run(server: str, beside: float) -> dict[str, Any]:
+        b = {"tok_s": beside, "ttft_p50_ms": 80.0}
+        alone = {"tok_s": 100.0, "ttft_p50_ms": 50.0}
+        return {"round": 0, "server": server, "alone": alone, "beside": b}
 
-
-def engine_modes_results(**accuracy: Any) -> dict[str, Any]:
-    mode = {
-        "step_cost": {
-            "ratio": 1.01,
-            "quartiles": [0.99, 1.03],
-            "ours_us": 808.0,
-            "stock_us": 800.0,
-        },
-        "accuracy": {
-            "delivered_per_limit": 1.001,
-            "bound_held": True,
-            "free_tok_s": 800.0,
-            "free_alone_on_stock_tok_s": 801.0,
-            "charges_equal_tokens": True,
-            "seconds": 20.0,
-            **accuracy,
-        },
-    }
-    return {"modes": {"plain decoding": mode, "hybrid (Mamba state group)": mode}}
-
-
-def test_the_engine_modes_section_judges_every_mode(tmp_path: Path) -> None:
-    from benchmarks.report import engine_modes
-
-    rows = engine_modes.summary_rows(engine_modes_results())
-    assert [met for *_, met in rows] == [True, True]
-    assert rows[0][2] == "1.010-1.010 over 2 modes"
-    for broken in (
-        {"delivered_per_limit": 1.03},
-        {"bound_held": False},
-        {"charges_equal_tokens": False},
-        {"free_tok_s": 700.0},  # 0.87 of what it gets alone
-    ):
-        assert engine_modes.summary_rows(engine_modes_results(**broken))[1][3] is False
-    slow = engine_modes_results()
-    modes = slow["modes"]
-    modes["hybrid (Mamba state group)"] = {
-        **modes["plain decoding"],
-        "step_cost": {**modes["plain decoding"]["step_cost"], "ratio": 1.06},
-    }
-    assert engine_modes.summary_rows(slow)[0][3] is False
-    text = engine_modes.section(engine_modes_results(), tmp_path, tmp_path)
-    assert text.startswith("## 10. Engine modes on vLLM's scheduler")
-    assert (
-        "| hybrid (Mamba state group) | 808 | 800 | 1.010 [0.99-1.03] | 1.001 "
-        "| held | 800 (801) | yes |"
-    ) in text
-    assert "hybrid model's engines" not in text  # not measured in this run
-
-
-def test_the_hybrid_models_engine_throughput_is_judged_when_measured(
-    tmp_path: Path,
-) -> None:
-    from benchmarks.report import engine_modes
-
-    results = engine_modes_results()
-    results["hybrid_engine"] = {
-        "ratio_median": 0.975,
-        "ratio_quartiles": [0.95, 1.0],
-        "rounds": 32,
-        "streams": 32,
+    results = {
+        "rounds": 1,
+        "duration_s": 8.0,
+        "lead_s": 3.0,
         "max_tokens": 256,
+        "a_streams": 32,
+        "a_limit": 10.0,
+        "b_limit": 10_000.0,
+        "runs": [
+            run("stock", 30.0)
+            | {"tok_s_ratio": 0.3, "ttft_ratio": 9.0}
+            | {"a_tok_s_while_b": 900.0},
+            run("ours", 95.0)
+            | {"tok_s_ratio": 0.95, "ttft_ratio": 1.6}
+            | {"a_tok_s_while_b": 320.0},
+        ],
+        "summary": {"stock": summary(0.3), "ours": summary(0.95)},
     }
-    row = engine_modes.summary_rows(results)[2]
-    assert row[0].startswith("10. engine modes: hybrid model's engine throughput")
-    assert row[2:] == ("0.975 [0.95-1.00]", False)
-    text = engine_modes.section(results, tmp_path, tmp_path)
-    assert "ours / stock **0.975** (quartiles 0.950-1.000, median of 32" in text
-    results["hybrid_engine"]["ratio_median"] = 1.0
-    assert engine_modes.summary_rows(results)[2][3] is True
+    assert [met for *_, met in isolation.summary_rows(results)] == [True]
+    assert isolation.headlines(results) == {"isolation": 0.95}
+    text = isolation.section(results, tmp_path, tmp_path)
+    assert "**With limits, B beside A / B alone: 0.950**" in text
+    assert "| ours | 1 | 100 | 95 | 0.950 | 50 | 80 | 1.60 | 320 |" in text
+    results["summary"]["ours"]["tok_s_ratio"] = 0.85
+    assert [met for *_, met in isolation.summary_rows(results)] == [False]

@@ -12,7 +12,6 @@ import pytest
 
 from benchmarks import scheduler_cost
 from benchmarks.report import scheduler_cost as report
-from benchmarks.scheduler_workload import STATES
 
 R = 64
 
@@ -31,7 +30,15 @@ def results(tiny_model_path: str) -> dict:
 def test_one_row_per_state_and_user_count(results: dict) -> None:
     keys = sorted((r["state"], r["U"]) for r in results["rows"])
     # Half of one user is not a state: (c) only runs with U >= 2.
-    assert keys == [("a", 1), ("a", 16), ("b", 1), ("b", 16), ("c", 16)]
+    assert keys == [
+        ("a", 1),
+        ("a", 16),
+        ("b", 1),
+        ("b", 16),
+        ("c", 16),
+        ("r", 1),
+        ("r", 16),
+    ]
     assert [s["R"] for s in results["stock"]] == [R]
     for row in results["rows"]:
         assert row["R"] == R
@@ -46,7 +53,7 @@ def test_the_states_are_the_ones_claimed(results: dict) -> None:
     stock = results["stock"][0]
     assert stock["scheduled_per_step"] == R
     for row in results["rows"]:
-        decoding = {"a": R, "b": 0, "c": R // 2}[row["state"]]
+        decoding = {"a": R, "b": 0, "c": R // 2, "r": R}[row["state"]]
         assert row["scheduled_per_step"] == decoding
         assert row["throttled_per_step"] == R - decoding
 
@@ -62,15 +69,17 @@ def test_limiter_calls_grow_with_users_not_requests(results: dict) -> None:
         "a_within_5_percent_of_stock",
         "limiter_calls_grow_with_U_not_R",
         "b_not_above_stock",
+        "r_reference_path",
     }
     assert targets["limiter_calls_grow_with_U_not_R"]["met"]
+    assert targets["r_reference_path"]["met"] is None  # reported, not judged
 
 
 def test_markdown_and_plot(results: dict, tmp_path) -> None:
     text = report.section(results, tmp_path / "docs", tmp_path)
     assert (tmp_path / "docs" / report.FIGURE).stat().st_size > 0
     assert f"![µs per schedule() against R](docs/{report.FIGURE})" in text
-    for state, title in STATES.items():
+    for state, title in scheduler_cost.STATES.items():
         assert f"### ({state}) {title}" in text
     assert "| R | U |" in text
     assert f"| {R} | 16 |" in text

@@ -33,30 +33,3 @@ def test_read_gives_microseconds_per_step(tmp_path: Path) -> None:
         "bitmask_us": 100.0,
         "engine_step_us": 2000.0,
     }
-
-
-def test_read_adds_the_model_workers_side_when_it_was_written(tmp_path: Path) -> None:
-    path = tmp_path / "timing.json"
-    path.write_text(
-        json.dumps(
-            {
-                "steps": 2,
-                "schedule_ns": 0,
-                "vllm_schedule_ns": 0,
-                "update_ns": 0,
-                "bitmask_ns": 0,
-                "engine_steps": 2,
-                "engine_step_ns": 0,
-            }
-        )
-    )
-    worker = {"executes": 4, "execute_ns": 8_000_000}
-    worker |= {"update_states_ns": 400_000, "forward_ns": 4_000_000}
-    (tmp_path / ("timing.json" + step_timing.WORKER_SUFFIX)).write_text(
-        json.dumps(worker)
-    )
-    figures = step_timing.read(str(path))
-    assert figures is not None
-    assert figures["worker_execute_us"] == 2000.0
-    assert figures["worker_update_states_us"] == 100.0
-    assert figures["worker_forward_us"] == 1000.0

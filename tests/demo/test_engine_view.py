@@ -14,7 +14,8 @@ from vllm_output_rate.demo.engine_view import (
     first_token_quantiles,
 )
 from vllm_output_rate.integration.metrics import OutputRateCollector
-from vllm_output_rate.scheduling.stats import NS_PER_S, OutputRateStats
+from vllm_output_rate.scheduling.stat_records import NS_PER_S
+from vllm_output_rate.scheduling.stats import OutputRateStats
 
 
 def watch(*readings: tuple[float, int]) -> EngineWatch:

@@ -15,16 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.demo import tiny_model
+from vllm_output_rate.demo import tiny_model, tiny_model_recipe
 from vllm_output_rate.demo.tiny_model import (
-    BOS_TOKEN,
-    EOS_TOKEN,
     MARKER_NAME,
     MODEL_DIRNAME,
     build_tiny_model,
     default_model_path,
     is_complete,
 )
+from vllm_output_rate.demo.tiny_model_recipe import BOS_TOKEN, EOS_TOKEN
 
 WEIGHTS = "model.safetensors"
 
@@ -312,8 +311,8 @@ def test_variants_live_in_their_own_folders_and_leave_the_default_alone(
     assert default_model_path() == tmp_path / MODEL_DIRNAME
     assert default_model_path("echo") == tmp_path / "tiny-echo-v1"
     # The default recipe is the same as before variants existed.
-    assert "variant" not in tiny_model.build_spec()
-    assert tiny_model.spec_hash() != tiny_model.spec_hash("echo")
+    assert "variant" not in tiny_model_recipe.build_spec()
+    assert tiny_model_recipe.spec_hash() != tiny_model_recipe.spec_hash("echo")
     with pytest.raises(ValueError, match="unknown tiny model variant"):
         default_model_path("nope")
 
@@ -346,7 +345,8 @@ def test_the_hybrid_variant_is_a_mamba2_and_attention_model(tmp_path):
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["GraniteMoeHybridForCausalLM"]
     # Its shape is in the recipe: a change of it rebuilds the cached model.
-    assert tiny_model.build_spec("hybrid")["variant"]["hybrid_shape"]["mamba_d_state"]
+    spec = tiny_model_recipe.build_spec("hybrid")
+    assert spec["variant"]["hybrid_shape"]["mamba_d_state"]
     # transformers loads it and it runs on the project's tokenizer.
     model = AutoModelForCausalLM.from_pretrained(path)
     kinds = [type(module).__name__ for module in model.modules()]

@@ -3,18 +3,16 @@
 One module-scoped server (``--max-num-active-seqs 3``, limits far above
 demand, so the engine itself is the bottleneck), two scenarios one after the
 other, driven by the official OpenAI client; each stream is one request of
-4,000 tokens, closed when the scenario ends. Shares are judged at the
+4,000 tokens, closed when the scenario ends. The many-stream user's streams
+are opened first and the other user's only once they are all in the engine
+(with ``--enable-log-requests`` the API server logs each request it hands
+over): on a loaded 2-core machine handing 32 streams over can take longer
+than the other user's two streams need to finish. Shares are judged at the
 engine, from the scheduler's dispatch log, over each scenario's window: from
-1 s after every one of its streams is in the engine (with
-``--enable-log-requests``
-the API server logs each request it hands over; on this loaded 2-core machine
-it can take many seconds to hand 34 streams over, and until it has, the few
-streams already there fill the free slots, as work conservation says they
-should) to its end,
-or to the last token of the user served last if that came first (a user whose
-requests ended is not backlogged). Each scenario holds its streams for 12 s
-after they are all in. The machine's speed does not matter, only who got the
-engine's tokens.
+when every stream is in the engine to its end, or to the last token of the
+user served last if that came first (a user whose requests ended is not
+backlogged). Each scenario holds its streams for 12 s after they are all in.
+The machine's speed does not matter, only who got the engine's tokens.
 
 1. ``many`` (weight 1, 16 streams) beside ``light`` (weight 2, 2 streams):
    2 : 1 in tokens within 10 % (by streams it would be 1 : 8).
@@ -95,18 +93,19 @@ async def when_all_added(server: RunningServer, since: int, count: int) -> int:
 async def run_scenario(
     server: RunningServer, model: str, streams: dict[str, int]
 ) -> tuple[int, int]:
-    """Open the streams, hold them for the scenario once all are in the
-    engine, close them; return the window (monotonic ns, the engine's clock
-    too) to judge."""
+    """Open each user's streams in turn, each user's once the ones before
+    are all in the engine; hold them for the scenario once all are in, close
+    them; return the window (monotonic ns, the engine's clock too) to
+    judge."""
     since = server.log_path.stat().st_size
     client = AsyncOpenAI(base_url=server + "/v1", api_key="unused", timeout=120)
-    tasks = [
-        asyncio.create_task(stream(client, model, user))
-        for user, count in streams.items()
-        for _ in range(count)
-    ]
+    tasks: list[asyncio.Task[None]] = []
     try:
-        started = await when_all_added(server, since, len(tasks))
+        for user, count in streams.items():
+            tasks += [
+                asyncio.create_task(stream(client, model, user)) for _ in range(count)
+            ]
+            started = await when_all_added(server, since, len(tasks))
         await asyncio.sleep(SCENARIO_S)
     finally:
         for task in tasks:
@@ -128,7 +127,9 @@ class Share:
 def share(dispatched: dict[str, list[int]], users: list[str], start: int, end: int):
     """Tokens per user from 1 s after every user was served until ``end``."""
     times = {u: [t for t in dispatched.get(u, []) if start <= t <= end] for u in users}
-    assert all(times.values()), {u: len(t) for u, t in times.items()}
+    assert all(times.values()), {  # tokens in the window, and in all
+        u: (len(t), len(dispatched.get(u, []))) for u, t in times.items()
+    }
     # Only while every user is served: in CI a 12 s scenario lasted minutes
     # (the client's loop stalled, not the engine), long enough for light's
     # requests to end, and after that many had the engine alone.

@@ -41,6 +41,10 @@ def server(tiny_model_path: str) -> Iterator[str]:
         str(DEFAULT_LIMIT),
         "--user-output-tokens-per-second",
         json.dumps(LIMITS),
+        # user-a's third stream is refused (429) and retried: the
+        # dashboard's admission panel has something to show.
+        "--default-user-max-concurrent-requests",
+        "2",
     ]
     env = {
         "VLLM_PLUGINS": "output_rate,output_rate_http",
@@ -226,3 +230,10 @@ def test_every_dashboard_query_answers_from_a_real_prometheus(
     }
     for user, limit in (*LIMITS.items(), ("__anonymous__", DEFAULT_LIMIT)):
         assert 0.6 * limit <= delivered[user] <= 1.2 * limit, (user, delivered)
+    # The admission panel: user-a's third stream, refused over its own cap.
+    (refusals,) = [e for t, e in dashboard_queries() if "admission_rejections" in e][:1]
+    refused = {
+        (series["metric"]["user"], series["metric"]["reason"])
+        for series in prometheus.query(concrete(refusals))
+    }
+    assert ("user-a", "user_max_concurrent_requests") in refused, refused

@@ -22,6 +22,7 @@ from vllm_output_rate.demo.server import running_server
 pytestmark = pytest.mark.e2e
 
 KEYS = {"alice": "key-of-alice", "bob": "key-of-bob", "carol": "key-of-carol"}
+GATEWAY_KEY, USER_HEADER = "key-of-the-proxy", "x-end-user"
 ADMIN_KEY = "admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SPOOF = {"vllm_xargs": {"output_rate_user": "alice"}}
@@ -114,6 +115,8 @@ def server_args(keys_file: str) -> list[str]:
         '{"alice": 2, "bob": 1000}',
         "--output-rate-api-keys",
         keys_file,
+        "--output-rate-user-header",
+        USER_HEADER,
         "--enable-scale-out",  # serves /inference/v1/generate
     ]
 
@@ -129,6 +132,7 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("keys") / "keys.yaml"
     path.write_text(
         "".join(f"{user}:\n  - {digest(key)}\n" for user, key in KEYS.items())
+        + f"proxy: {{keys: [{digest(GATEWAY_KEY)}], gateway: true}}\n"
     )
     return str(path)
 
@@ -215,8 +219,12 @@ def user_tokens(url: str, user: str) -> int:
     return int(users.get(user, {}).get("tokens_admitted", 0))
 
 
-def post(url: str, path: str, body: dict, key: str | None) -> httpx.Response:
+def post(
+    url: str, path: str, body: dict, key: str | None, end_user: str | None = None
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if end_user:
+        headers[USER_HEADER] = end_user
     return httpx.post(url + path, json=body, headers=headers, timeout=120)
 
 
@@ -275,6 +283,24 @@ def test_every_generating_route_charges_the_keys_user(
             assert "error" not in response.text[:200], (path, response.text)
             assert user_tokens(server, "carol") > carol, (path, body)
             assert user_tokens(server, "alice") == alice, (path, body)
+
+
+def test_every_generating_route_charges_the_end_user_a_gateway_names(
+    server, tiny_model_path: str
+) -> None:
+    # The gateway's key naming dave, bodies claiming alice: dave is charged.
+    # Carol's ordinary key naming dave by the header: carol is charged.
+    for (_, path), bodies in generating_routes(tiny_model_path).items():
+        for body in bodies:
+            for key, charged in ((GATEWAY_KEY, "dave"), (KEYS["carol"], "carol")):
+                others = {u: user_tokens(server, u) for u in ("alice", "dave", "proxy")}
+                before = user_tokens(server, charged)
+                response = post(server, path, body, key, end_user="dave")
+                assert response.status_code == 200, (path, body, response.text)
+                assert "error" not in response.text[:200], (path, response.text)
+                assert user_tokens(server, charged) > before, (path, body, key)
+                others.pop(charged, None)
+                assert {u: user_tokens(server, u) for u in others} == others, path
 
 
 def generate(url: str, model: str, key: str | None, user: str | None, n: int):

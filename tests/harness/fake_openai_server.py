@@ -8,6 +8,7 @@ The model named in a request picks its script:
 - ``ok``: one token per chunk, then a usage chunk and ``[DONE]``;
 - ``multi``: three tokens per chunk;
 - ``bad``: HTTP 400 with an OpenAI error body;
+- ``limited``: HTTP 429 with ``retry-after-ms: 150`` and ``retry-after: 1``;
 - ``cut``: the connection closes after two chunks, without a finish_reason;
 - ``inline-error``: an error event in the middle of the stream;
 - ``slow``: 20 ms between chunks;
@@ -37,6 +38,7 @@ MODELS = [
     "ok",
     "multi",
     "bad",
+    "limited",
     "cut",
     "inline-error",
     "slow",
@@ -83,6 +85,16 @@ class _Handler(BaseHTTPRequestHandler):
         if model == "bad":
             err = {"error": {"message": "bad request: nope", "code": 400}}
             self._send(400, json.dumps(err).encode())
+            return
+        if model == "limited":
+            body = json.dumps({"error": {"message": "over cap", "code": 429}})
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("retry-after", "1")
+            self.send_header("retry-after-ms", "150")
+            self.end_headers()
+            self.wfile.write(body.encode())
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")

@@ -19,12 +19,14 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
 from vllm_output_rate.api_keys import ApiKeys, digest
-from vllm_output_rate.integration import api_validation, engine_setup
+from vllm_output_rate.identity import Caller
+from vllm_output_rate.integration import api_validation, engine_setup, trusted_identity
 from vllm_output_rate.integration.cli_flags import check_api_keys_option
 from vllm_output_rate.integration.trusted_identity import (
+    IdentityMiddleware,
+    IdentityPolicy,
     IdentityRequiredError,
     RequestIdentity,
-    TrustedIdentityMiddleware,
     current_identity,
     stamp_or_refuse,
 )
@@ -57,8 +59,20 @@ def test_bad_key_files_are_refused(content: dict, message: str) -> None:
         ApiKeys(content, "keys.yaml")
 
 
+@pytest.fixture(autouse=True)
+def keys_policy(monkeypatch: pytest.MonkeyPatch) -> IdentityPolicy:
+    """The policy the HTTP plugin sets from a keys file (no gateway)."""
+    policy = IdentityPolicy(keys=keys())
+    monkeypatch.setattr(trusted_identity, "policy", policy)
+    return policy
+
+
 class Holder:
-    api_keys: ApiKeys | None = keys()
+    identity_policy: IdentityPolicy | None = IdentityPolicy(keys=keys())
+
+
+def alice_identity() -> RequestIdentity:
+    return RequestIdentity(Caller("alice", may_assert=False))
 
 
 def funnel_user() -> str:
@@ -101,7 +115,7 @@ def app_with_middleware(holder: Holder) -> TestClient:
     @app.get("/health")
     async def models() -> dict:
         identity = current_identity.get()
-        return {"identity": None if identity is None else identity.user}
+        return {"identity": None if identity is None else identity.caller.key_user}
 
     @app.websocket("/v1/realtime")
     async def realtime(socket: WebSocket) -> None:
@@ -115,7 +129,7 @@ def app_with_middleware(holder: Holder) -> TestClient:
     # vLLM's own exception handlers, as on a real server.
     app.state.args = argparse.Namespace(log_error_stack=False)
     init_exception_handler(app)
-    app.add_middleware(TrustedIdentityMiddleware, keys_holder=holder)
+    app.add_middleware(IdentityMiddleware, holder=holder)
     return TestClient(app)
 
 
@@ -182,7 +196,7 @@ def test_a_wrong_key_gets_401_on_any_route() -> None:
 
 def test_without_keys_the_middleware_changes_nothing() -> None:
     holder = Holder()
-    holder.api_keys = None
+    holder.identity_policy = None
     client = app_with_middleware(holder)
     for headers in ({}, ALICE, {"Authorization": "Bearer nope"}):
         answer = client.get("/v1/models", headers=headers)
@@ -190,7 +204,7 @@ def test_without_keys_the_middleware_changes_nothing() -> None:
 
 
 def test_the_stamp_reaches_every_set_of_sampling_parameters() -> None:
-    token = current_identity.set(RequestIdentity("alice"))
+    token = current_identity.set(alice_identity())
     try:
         core_request = EngineCoreRequest(
             request_id="r",
@@ -241,10 +255,9 @@ def test_the_early_check_follows_the_same_rule(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(engine_setup, "limiting_enabled", True)
-    monkeypatch.setattr(api_validation, "identity_required", True)
     with pytest.raises(IdentityRequiredError):
         api_validation.check_sampling_params(SamplingParams())
-    token = current_identity.set(RequestIdentity("alice"))
+    token = current_identity.set(alice_identity())
     try:
         # A malformed body user does not matter: the key's user replaces it.
         params = SamplingParams(extra_args={"output_rate_user": 5})
@@ -256,9 +269,11 @@ def test_the_early_check_follows_the_same_rule(
 
 def test_a_foreign_engine_client_is_refused_when_identity_is_required() -> None:
     with pytest.raises(OutputRateConfigError, match="AsyncLLM"):
-        api_validation.guard_engine_client(object(), require_identity=True)
+        api_validation.guard_engine_client(object(), IdentityPolicy(keys=keys()))
+    with pytest.raises(OutputRateConfigError, match="AsyncLLM"):
+        api_validation.guard_engine_client(object(), IdentityPolicy(cache_salt=True))
     client = object()
-    api_validation.guard_engine_client(client, require_identity=False)  # unguarded
+    api_validation.guard_engine_client(client, None)  # unguarded
 
 
 def test_a_keys_file_that_would_be_ignored_is_refused(

@@ -99,6 +99,25 @@ class TestClientAgainstFakeServer:
         # Failed requests back off instead of spinning.
         assert len(result.records) <= 2
 
+    def test_429s_are_reported_apart_and_their_retry_after_honoured(self, fake_server):
+        from vllm_output_rate.loadtest.report import format_table
+
+        url, _ = fake_server
+        spec = LoadSpec(
+            url, "limited", [UserLoad("a", 1)], max_tokens=5, duration_s=0.4
+        )
+        result = run_load_sync(spec)
+        assert result.ok and not result.failed_requests  # a 429 is not an error
+        summary = result.user("a")
+        assert summary.requests_rejected == len(result.records) >= 2
+        assert summary.requests_failed == 0
+        # retry-after-ms wins over retry-after, and the stream waits for it.
+        assert summary.retry_after_p50_s == pytest.approx(0.15)
+        assert len(result.records) <= 4
+        table = format_table(result)
+        assert "429" in table and "retry" in table  # the requests cell
+        assert "refused with 429" in table  # the totals line
+
     def test_chat_endpoint_path(self, fake_server):
         url, seen = fake_server
         spec = LoadSpec(

@@ -10,13 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_output_rate.config import ANONYMOUS_USER
-from vllm_output_rate.scheduling.stats import (
-    _GAP_BUCKETS_NS,
-    CHECK_RETENTION_S,
+from vllm_output_rate.scheduling.metric_labels import LABEL_IDLE_S, OTHER_USERS
+from vllm_output_rate.scheduling.stat_records import (
+    GAP_BUCKETS_NS,
     GAP_BUCKETS_S,
-    LABEL_IDLE_S,
     NS_PER_S,
-    OTHER_USERS,
+)
+from vllm_output_rate.scheduling.stats import (
+    CHECK_RETENTION_S,
     USER_RETENTION_S,
     OutputRateStats,
 )
@@ -54,7 +55,7 @@ def reference(
             per_user[user] += count
             gaps = ([now - last[user]] if user in last else []) + [0] * (count - 1)
             for gap in gaps:
-                s["buckets"][bisect.bisect_left(_GAP_BUCKETS_NS, gap)] += 1
+                s["buckets"][bisect.bisect_left(GAP_BUCKETS_NS, gap)] += 1
                 s["gaps"].append(gap)
             last[user] = now
     return out, per_user

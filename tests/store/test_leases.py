@@ -16,7 +16,7 @@ from harness.bounds import assert_window_bound
 from harness.fake_clock import FakeClock
 from harness.redis_server import RedisServer
 from harness.store_sim import SimEngine, merged
-from vllm_output_rate.limiter import NS_PER_SECOND
+from vllm_output_rate.exact_rate import NS_PER_SECOND
 from vllm_output_rate.store.messages import StoreUnavailable
 from vllm_output_rate.store.settings import StoreSettings
 

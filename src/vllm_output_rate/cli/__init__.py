@@ -6,14 +6,10 @@ code``); ``build_parser`` lists them.  To add one, write such a module and
 add a line to ``build_parser``.
 
 - ``load`` (alias ``bench``): drive a running vLLM OpenAI server with
-  per-user load and report the measured per-user output rates::
-
-      vllm-output-rate load --base-url http://127.0.0.1:8000 \\
-          --users 'user-a:4,user-b:1' --limits 'user-a:20,user-b:100' \\
-          --max-tokens 200 --duration 30 --json out.json --plot out.png
-
-- ``demo``: the noisy-neighbour demo (stock vLLM, then with limits).
-- ``hash-key``: the digest of an API key for ``--output-rate-api-keys``.
+  per-user load and report the measured per-user output rates (an example:
+  docs/operations.md, "Measuring a deployment: the load tool");
+- ``demo``: the noisy-neighbour demo (stock vLLM, then with limits);
+- ``hash-key``: the digest of an API key for ``--output-rate-api-keys``;
 - ``top``: a live table of every user with traffic, from the admin endpoint.
 
 Exit codes: 0 success; 1 the server was unreachable or any request failed

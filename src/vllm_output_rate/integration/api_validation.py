@@ -12,9 +12,11 @@ Two places, both in the API server:
   engine, including routes that take raw sampling parameters
   (``/inference/v1/generate``) and routes a later vLLM adds.
 
-Both apply the same rule: with trusted identity on, the request gets its
-verified user or is refused (HTTP 401, trusted_identity.py); otherwise a
-malformed ``output_rate_user`` gets HTTP 400.
+Both apply the same rule: with an identity option on (API keys, a gateway
+header or body fields, the cache salt), the request gets the user
+``identity.decide`` names or is refused (HTTP 401 or 400,
+trusted_identity.py); otherwise a malformed ``output_rate_user`` gets HTTP
+400.
 """
 
 from __future__ import annotations
@@ -23,18 +25,22 @@ from typing import Any
 
 from vllm_output_rate import seams
 from vllm_output_rate.identity import USER_FIELD, user_from_extra_args
-from vllm_output_rate.integration import engine_setup
-from vllm_output_rate.integration.trusted_identity import stamp_or_refuse
+from vllm_output_rate.integration import engine_setup, trusted_identity
+from vllm_output_rate.integration.trusted_identity import (
+    IdentityPolicy,
+    note_api_request,
+    stamp_or_refuse,
+)
 from vllm_output_rate.validation import OutputRateConfigError
 
-# Set by guard_engine_client in a server that takes users from API keys.
-identity_required = False
 
-
-def check_sampling_params(params: Any) -> None:
+def check_sampling_params(params: Any, request: Any = None) -> None:
+    """``request``: the API request ``params`` were made from."""
     if not engine_setup.limiting_enabled:
         return
-    if identity_required:
+    if trusted_identity.policy is not None:
+        if request is not None:
+            note_api_request(request)
         stamp_or_refuse(None, params)
     else:
         check_user(params)
@@ -64,19 +70,18 @@ def refuse_beam_search() -> None:
     )
 
 
-def guard_engine_client(engine_client: Any, *, require_identity: bool) -> None:
+def guard_engine_client(engine_client: Any, policy: IdentityPolicy | None) -> None:
     """Wrap the engine client's funnel (``seams.FUNNEL``) on this instance.
 
-    With ``require_identity`` every request gets the verified user or is
+    With a ``policy`` every request gets its decided user (and salt) or is
     refused there; otherwise a malformed ``output_rate_user`` is refused.
     """
-    global identity_required
     module, name = seams.ENGINE_CLIENT
     if not isinstance(engine_client, seams.resolve(module, name)):
-        if require_identity:  # fail closed: its requests cannot be seen
+        if policy is not None:  # fail closed: its requests cannot be seen
             raise OutputRateConfigError(
-                f"trusted identity needs vLLM's {name} engine client; "
-                f"this server runs {type(engine_client).__qualname__}"
+                f"trusted identity and cache isolation need vLLM's {name} "
+                f"engine client; this server runs {type(engine_client).__qualname__}"
             )
         return
     original = getattr(engine_client, seams.FUNNEL)
@@ -84,11 +89,11 @@ def guard_engine_client(engine_client: Any, *, require_identity: bool) -> None:
     async def funnel(
         request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if require_identity:
+        if policy is not None:
             prompt, params = stamp_or_refuse(prompt, params)
         else:
             check_user(params)
         return await original(request_id, prompt, params, *args, **kwargs)
 
     setattr(engine_client, seams.FUNNEL, funnel)
-    identity_required = require_identity
+    trusted_identity.policy = policy

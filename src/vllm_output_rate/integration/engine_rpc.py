@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_output_rate.integration import admission_rpc
+
 
 def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
     # Our schedulers hold their policy as `output_rate`; vLLM's have none.
@@ -23,11 +25,12 @@ def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
         return policy.metrics_snapshot()
     if op == "users":
         return policy.users_snapshot(payload["limit"], payload.get("after"))
+    if op == "admission":
+        return admission_rpc.admission_view(engine_core, policy, payload)
     if op == "limits":
-        return policy.limits_page(payload["limit"], payload.get("after"))
+        return admission_rpc.limits_page(engine_core, policy, payload)
     if op == "update":
         # The change, then the first page of the limits now in force.
-        policy.update_limits(payload["body"])
-        page = payload["page"]
-        return policy.limits_page(page["limit"], page.get("after"))
+        admission_rpc.update_limits(engine_core, policy, payload["body"])
+        return admission_rpc.limits_page(engine_core, policy, payload["page"])
     raise ValueError(f"unknown operation {op!r}")

@@ -7,9 +7,10 @@ since that variable then filters general plugins too, enable both:
 * Metrics: while limiting is on, per-user counters are polled from the
   engine once a second and exposed on vLLM's own ``/metrics``.
 * Every request on its way into the engine, whatever its route, passes the
-  engine client funnel: a malformed user gets HTTP 400, and with
-  ``--output-rate-api-keys FILE`` the user comes from a verified API key or
-  the request is refused (see trusted_identity.py).
+  engine client funnel: a malformed user gets HTTP 400; with API keys, a
+  gateway header or body fields, the user is decided in one precedence
+  order or the request is refused, and with the cache salt option its
+  ``cache_salt`` is set from its user (see trusted_identity.py).
 * Admin: with ``VLLM_OUTPUT_RATE_ADMIN_KEY`` set at start-up,
   ``GET/PUT /v1/output_rate/limits`` and ``GET /v1/output_rate/stats`` need
   ``Authorization: Bearer <key>``. Without the key the routes do not exist.
@@ -36,14 +37,22 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
-from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
-from vllm_output_rate.config import parse_limits_update
-from vllm_output_rate.integration import engine_setup
+from vllm_output_rate.integration import admission, engine_setup
+from vllm_output_rate.integration.admission_context import AdmissionMiddleware
+from vllm_output_rate.integration.admission_setup import (
+    check_limits_update,
+    start_admission,
+    with_rejections,
+)
 from vllm_output_rate.integration.api_validation import guard_engine_client
 from vllm_output_rate.integration.metrics import OutputRateCollector
-from vllm_output_rate.integration.trusted_identity import TrustedIdentityMiddleware
+from vllm_output_rate.integration.trusted_identity import (
+    IdentityMiddleware,
+    IdentityPolicy,
+)
 from vllm_output_rate.seams import RPC_METHOD
+from vllm_output_rate.seams_check import verify_seams
 from vllm_output_rate.validation import OutputRateConfigError, validate_user_name
 
 logger = logging.getLogger("vllm.output_rate")
@@ -67,13 +76,16 @@ class OutputRateHttpPlugin:
         self._engine: Any = None
         self._collector = OutputRateCollector()
         self._poller: asyncio.Task[None] | None = None
-        self.api_keys: ApiKeys | None = None  # read by the middleware
+        self.identity_policy: IdentityPolicy | None = None  # read by its middleware
+        self.admission: admission.Admission | None = None  # read by its middleware
+        self._admission_tasks: list[asyncio.Task[None]] = []
 
     # ----- vLLM's EndpointPlugin protocol -------------------------------
 
     def attach_router(self, app: FastAPI) -> None:
-        # Passes everything through until init_state loads a keys file.
-        app.add_middleware(TrustedIdentityMiddleware, keys_holder=self)
+        # Passes everything through until init_state sets a policy.
+        app.add_middleware(IdentityMiddleware, holder=self)
+        app.add_middleware(AdmissionMiddleware, holder=self)
         if self._admin_key is None:
             return  # the admin endpoint is off without a key
         router = APIRouter(prefix=PREFIX)
@@ -87,16 +99,13 @@ class OutputRateHttpPlugin:
     ) -> None:
         if engine_client is None or not engine_setup.limiting_enabled:
             return
-        seams.verify_seams(api=True)
-        keys_file = getattr(args, "output_rate_api_keys", None)
-        guard_engine_client(engine_client, require_identity=bool(keys_file))
-        if keys_file:
-            self.api_keys = ApiKeys.load(keys_file)
-            logger.info(
-                "Trusted identity on: every request into the engine needs an "
-                "API key from %s; its user replaces any named in the body",
-                keys_file,
-            )
+        verify_seams(api=True)
+        policy = identity_policy(args)
+        # Inside the identity guard: admission sees the decided user.
+        self.admission, self._admission_tasks = start_admission(engine_client)
+        self._collector.admission = self.admission
+        guard_engine_client(engine_client, policy)
+        self.identity_policy = policy
         self._engine = engine_client
         self._collector.register()
         self._poller = asyncio.create_task(self._poll_metrics())
@@ -146,7 +155,7 @@ class OutputRateHttpPlugin:
             page = parse_page(dict(request.query_params))
         except OutputRateConfigError as exc:
             return _error(400, str(exc))
-        return JSONResponse(await self._call("users", page))
+        return JSONResponse(with_rejections(await self._call("users", page), self))
 
     async def _put_limits(self, request: Request) -> JSONResponse:
         if refusal := await self._guard(request):
@@ -154,11 +163,42 @@ class OutputRateHttpPlugin:
         try:
             page = parse_page(dict(request.query_params))
             payload = await request.json()
-            parse_limits_update(payload)  # refuse bad input before the engine
+            check_limits_update(payload, self)  # refuse bad input before the engine
         except (ValueError, OutputRateConfigError) as exc:
             return _error(400, str(exc))
         answer = await self._call("update", {"body": payload, "page": page})
         return _limits_response(request, page, answer)
+
+
+def identity_policy(args: Namespace) -> IdentityPolicy | None:
+    """Where this server's users come from (None: the body field only)."""
+    keys_file = getattr(args, "output_rate_api_keys", None)
+    policy = IdentityPolicy(
+        keys=ApiKeys.load(keys_file) if keys_file else None,
+        header=getattr(args, "output_rate_user_header", None),
+        body_fields=getattr(args, "output_rate_user_fields", None) or (),
+        cache_salt=getattr(args, "output_rate_cache_salt", None) == "user",
+    )
+    if policy == IdentityPolicy():
+        return None
+    if keys_file:
+        logger.info(
+            "Trusted identity on: every request into the engine needs an API "
+            "key from %s; an ordinary key's user replaces any other source",
+            keys_file,
+        )
+    if policy.header or policy.body_fields:
+        logger.info(
+            "Users named by %s from %s",
+            ", ".join(
+                [f"header {policy.header}"] * bool(policy.header)
+                + [f"body field {f}" for f in policy.body_fields]
+            ),
+            "gateway keys" if keys_file else "any caller (no API keys)",
+        )
+    if policy.cache_salt:
+        logger.info("Prefix cache isolated per user: cache_salt set from the user")
+    return policy
 
 
 def _limits_response(

@@ -24,7 +24,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from vllm_output_rate.scheduling.stats import FIRST_TOKEN_BUCKETS_S, GAP_BUCKETS_S
+from vllm_output_rate.scheduling.stat_records import (
+    FIRST_TOKEN_BUCKETS_S,
+    GAP_BUCKETS_S,
+)
 
 PREFIX = "vllm:output_rate_"
 COUNTERS = {
@@ -53,6 +56,8 @@ class OutputRateCollector(Collector):
     def __init__(self) -> None:
         self._snapshot: dict[str, Any] | None = None
         self._registered = False
+        # This API server's admission refusals (integration/admission.py).
+        self.admission: Any = None
 
     def register(self) -> None:
         if not self._registered:
@@ -63,6 +68,8 @@ class OutputRateCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Any]:
+        if self.admission is not None:
+            yield admission_metric(self.admission.rejections)
         if self._snapshot is None:
             return
         labels: dict[str, dict[str, Any]] = self._snapshot["labels"]
@@ -183,3 +190,20 @@ def store_metrics(store: dict[str, Any]) -> Iterator[Any]:
         "Longest successful store round trip so far",
         value=store["rtt_max_s"],
     )
+
+
+def admission_metric(rejections: dict[tuple[str, str], int]) -> CounterMetricFamily:
+    """Requests refused at admission, per user label and reason: the user's
+    own caps (429) and vLLM's global caps (503)."""
+    family = CounterMetricFamily(
+        PREFIX + "admission_rejections",
+        "Requests refused at admission: user_max_concurrent_requests and "
+        "user_max_queued_prompt_tokens (HTTP 429, the user's own excess), "
+        "max_num_queued_reqs and max_num_queued_tokens (HTTP 503, vLLM's "
+        "global caps, which requests held back by their user's limit do not "
+        "count against)",
+        labels=["user", "reason"],
+    )
+    for (label, reason), count in sorted(rejections.items()):
+        family.add_metric([label, reason], count)
+    return family

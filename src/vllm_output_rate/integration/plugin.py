@@ -17,13 +17,16 @@ from typing import Any
 
 from vllm_output_rate import seams
 from vllm_output_rate.integration import (
+    admission_flags,
     api_validation,
     cli_flags,
     engine_loop,
     engine_rpc,
+    identity_flags,
 )
 from vllm_output_rate.integration.compat import check_vllm_version
 from vllm_output_rate.integration.engine_setup import apply_output_rate
+from vllm_output_rate.seams_check import verify_seams
 
 _MARK = "__vllm_output_rate_wrapped__"
 _Fn = Callable[..., Any]
@@ -31,7 +34,7 @@ _Fn = Callable[..., Any]
 
 def register() -> None:
     check_vllm_version()
-    seams.verify_seams(api=False)
+    verify_seams(api=False)
     install()
 
 
@@ -47,6 +50,9 @@ def _wrap(owner: Any, name: str, make: Callable[[_Fn], _Fn]) -> None:
     setattr(owner, name, kind(wrapper) if kind else wrapper)
 
 
+wrap = _wrap  # for the HTTP plugin's hooks (admission_setup.py)
+
+
 def install() -> None:
     """Install the engine-side wrappers (idempotent; runs in every process)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -56,6 +62,8 @@ def install() -> None:
         def wrapper(parser: Any, *args: Any, **kwargs: Any) -> Any:
             parser = original(parser, *args, **kwargs)
             cli_flags.add_flags(parser)
+            admission_flags.add_flags(parser)
+            identity_flags.add_flags(parser)
             return parser
 
         return wrapper
@@ -64,15 +72,17 @@ def install() -> None:
         def wrapper(cls: Any, args: Any) -> Any:
             settings = cli_flags.settings_from_namespace(args)
             additional = getattr(args, "additional_config", None) or {}
-            cli_flags.check_api_keys_option(
-                args, limiting=settings is not None or "output_rate" in additional
-            )
+            limiting = settings is not None or "output_rate" in additional
+            cli_flags.check_api_keys_option(args, limiting=limiting)
+            identity_flags.check_identity_options(args, limiting=limiting)
+            caps = admission_flags.caps_for(args, settings, limiting)
             if settings is not None:
                 # On the namespace too: extra API-server processes rebuild
                 # their EngineArgs from it before this plugin is loaded.
                 args.additional_config = cli_flags.store_in_additional_config(
                     getattr(args, "additional_config", None), settings
                 )
+                admission_flags.carry(args, caps)
             return original(cls, args)
 
         return wrapper
@@ -108,7 +118,7 @@ def install_api_validation() -> None:
     def to_sampling_params(original: _Fn) -> _Fn:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             params = original(self, *args, **kwargs)
-            api_validation.check_sampling_params(params)
+            api_validation.check_sampling_params(params, self)
             return params
 
         return wrapper

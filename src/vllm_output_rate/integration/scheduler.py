@@ -1,25 +1,23 @@
 """vLLM V1 schedulers that enforce per-user output-token rates.
 
-The subclasses reuse vLLM's own ``schedule()`` unchanged and steer it
-through the hooks listed in ``seams.py``; every decision and all state live
-in the policy (``policy.py``), held under the one attribute these classes add
-to vLLM's scheduler: ``output_rate``. The overrides here only forward:
+``OutputRateScheduler`` and ``OutputRateAsyncScheduler`` reuse vLLM's own
+``schedule()`` unchanged and steer it through the hooks listed in
+``seams.py``; every decision and all state live in the policy
+(``scheduling/policy.py``), held under the one attribute they add to vLLM's
+scheduler, ``output_rate``. The overrides only forward:
 
-* ``schedule``: begin the step (``policy.begin_step``), run vLLM's step,
-  undo the step's temporary changes, hand the output to the policy. In a
-  step a shortcut runs with vLLM's own ``_reserve_prefill_lookahead``
-  (``step.vllm_hook``), that hook stands in for ours as an instance
-  attribute for the duration of the step;
-* ``_reserve_prefill_lookahead`` and ``_handle_blocked_waiting_request``:
-  the step's ``on_chunk`` and ``admit_waiting``;
-* ``update_from_output``: let the step accounting count what each request
-  of the reported step received (bookkeeping only, never the limiter);
-* every entry point (``add_request``, ``get_grammar_bitmask``,
-  ``finish_requests``, ``update_draft_token_ids``, ``reset_prefix_cache``,
-  ``update_from_output``, ``shutdown``) settles the last step first, so no
-  vLLM code sees the scheduler between a step and its settling;
-* ``add_request``: tag the request with its user; ``shutdown``: stop a
-  shared store's refresher.
+* ``schedule``: begin the step, run vLLM's (with vLLM's own
+  ``_reserve_prefill_lookahead`` standing in for ours, as an instance
+  attribute, when a shortcut runs it), undo the step's temporary changes,
+  hand the output to the policy;
+* ``_reserve_prefill_lookahead``, ``_handle_blocked_waiting_request``: the
+  step's ``on_chunk`` and ``admit_waiting``;
+* ``update_from_output``: the accounting counts what each request received
+  (never the limiter); ``add_request`` tags a request with its user;
+  ``shutdown`` stops a shared store's refresher.
+
+Every entry point settles the last step first, so no vLLM code sees the
+scheduler between a step and its settling (docs/architecture.md, "Shortcuts").
 """
 
 from __future__ import annotations
@@ -39,7 +37,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
-from vllm_output_rate.seams import HOOK, check_host
+from vllm_output_rate.seams import HOOK
+from vllm_output_rate.seams_check import check_host
 from vllm_output_rate.store.engine import start_leasing
 from vllm_output_rate.validation import OutputRateConfigError
 

@@ -1,31 +1,29 @@
-"""Take the user from a verified API key instead of the request body.
+"""Whose request it is, decided once per request in the API server.
 
-With ``--output-rate-api-keys FILE`` (and the HTTP plugin enabled), no
-request reaches the engine without a verified user, whatever route it came
-by. Two parts, so that the guarantee does not depend on knowing the routes:
+The HTTP plugin sets ``policy`` (``IdentityPolicy``: API keys, the gateway
+header and body fields that may name the user, the cache salt option) at
+start-up. Three parts apply ``identity.decide``'s one precedence order:
 
-* ``TrustedIdentityMiddleware`` (pure ASGI, HTTP and WebSocket) reads
-  ``Authorization: Bearer KEY`` on every request and records the key's user,
-  or none, in a per-request ``RequestIdentity``. A key that is given but
-  unknown gets HTTP 401 on any route (the admin routes, which have their own
-  key, excepted), and so does a request without a key to any path vLLM's own
-  ``--api-key`` would guard (``/v1``, ``/inference``, ...: the keys file
-  replaces ``--api-key``, so it must guard at least as much, aborts and
-  model lists included).
-* ``stamp_or_refuse`` runs at the one funnel every route goes through into
-  the engine, the API server's engine client (``seams.FUNNEL``, wrapped per
-  instance by ``api_validation.guard_engine_client``): it writes the verified user into
-  the request's sampling parameters, replacing whatever
-  ``vllm_xargs.output_rate_user`` the client sent, or refuses the request
-  (``IdentityRequiredError``, HTTP 401) before anything is registered. The
-  OpenAI request classes run the same check earlier, while the request is
-  converted to sampling parameters (see api_validation.py).
+* ``IdentityMiddleware`` (pure ASGI, HTTP and WebSocket) records each
+  request's ``Caller``: the user of ``Authorization: Bearer KEY`` and, from a
+  caller that may assert identity (no keys, or a gateway key), the gateway
+  header's user. It answers 401 to an unknown key on any route but the admin
+  routes and to a missing one under the prefixes vLLM's ``--api-key``
+  guards, 400 to a malformed header; for a request without a valid key it
+  holds the status line until the first body chunk, so that a refused
+  stream answers 401, not 200.
+* ``note_api_request`` (each API request, before its admission check)
+  records the user its body fields name, and ``user_of_api_request`` is the
+  user admission checks before rendering.
+* ``stamp_or_refuse``, at the funnel every route passes into the engine
+  (``seams.FUNNEL``, wrapped by ``api_validation.guard_engine_client``),
+  writes the decided user (and salt) into the request, or refuses it (401
+  ``IdentityRequiredError``, 400 for a malformed name) before anything is
+  registered.
 
-A refused request must not come back as a 200 whose stream holds an error:
-for a request without a valid key the middleware holds the response's
-status line until its first body chunk, and if the funnel refused the
-request meanwhile, answers 401 instead. Requests with a valid key are
-passed through untouched. Refusals never hint at which users exist.
+Refusals never hint at which users exist. Why the funnel, not the URL:
+docs/architecture.md, "Where each part runs"; the promise in full:
+docs/operations.md, "Trusted identity".
 """
 
 from __future__ import annotations
@@ -37,11 +35,21 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from vllm.exceptions import GracefulHTTPError
+from vllm.exceptions import GracefulHTTPError, VLLMValidationError
 
 from vllm_output_rate import seams
 from vllm_output_rate.api_keys import ApiKeys
-from vllm_output_rate.identity import USER_FIELD
+from vllm_output_rate.identity import (
+    ANONYMOUS_CALLER,
+    USER_FIELD,
+    Caller,
+    Identity,
+    decide,
+    user_from_body_fields,
+    user_from_header,
+)
+from vllm_output_rate.integration.cache_salt import salt_for, salted
+from vllm_output_rate.validation import OutputRateConfigError
 
 REFUSAL_MESSAGE = "a valid API key is required"
 # Operator routes check their own admin key.
@@ -51,20 +59,40 @@ Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class IdentityPolicy:
+    """Where users come from in this API server (fixed at start-up)."""
+
+    keys: ApiKeys | None = None
+    header: str | None = None  # lower case
+    body_fields: tuple[str, ...] = ()
+    cache_salt: bool = False
+
+    @property
+    def reads_requests(self) -> bool:
+        """Whether the middleware has anything to record."""
+        return (
+            self.keys is not None or self.header is not None or bool(self.body_fields)
+        )
+
+
+# Set by the HTTP plugin; None: no identity option, vLLM's body field only.
+policy: IdentityPolicy | None = None
+
+
 @dataclass
 class RequestIdentity:
-    """The verified user of one HTTP/WebSocket request (None: no valid key).
+    """One HTTP/WebSocket request's caller, and the user its body fields
+    name once seen. Shared by reference with every task the request's
+    handler starts (they copy the context), so the middleware sees the
+    funnel's ``refused``."""
 
-    Shared by reference with every task the request's handler starts (they
-    copy the context), so the middleware sees the funnel's ``refused``.
-    """
-
-    user: str | None
+    caller: Caller
+    field_user: str | None = None
     refused: bool = False
 
 
-# Set by the middleware for each request while API keys are on; read at the
-# engine client funnel. None outside any request: the funnel refuses then.
+# Set by the middleware for each request; read at the funnel.
 current_identity: ContextVar[RequestIdentity | None] = ContextVar(
     "output_rate_identity", default=None
 )
@@ -77,37 +105,51 @@ class IdentityRequiredError(GracefulHTTPError):
         super().__init__(REFUSAL_MESSAGE, HTTPStatus.UNAUTHORIZED)
 
 
-def verified_user() -> str | None:
-    identity = current_identity.get()
-    return identity.user if identity is not None else None
+class IdentityMiddleware:
+    """Records each request's caller; turns refusals into 401s and 400s."""
 
-
-class TrustedIdentityMiddleware:
-    """Records each request's verified user; turns refusals into 401s."""
-
-    def __init__(self, app: Any, keys_holder: Any) -> None:
+    def __init__(self, app: Any, holder: Any) -> None:
         self.app = app
-        self._holder = keys_holder  # has .api_keys: ApiKeys | None
+        self._holder = holder  # has .identity_policy: IdentityPolicy | None
         self._guarded = seams.api_key_guarded_prefixes()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
-        keys: ApiKeys | None = self._holder.api_keys
+        current: IdentityPolicy | None = self._holder.identity_policy
         if (
-            keys is None
+            current is None
+            or not current.reads_requests
             or scope["type"] not in ("http", "websocket")
             or scope["path"].startswith(ADMIN_PREFIX)
         ):
             await self.app(scope, receive, send)
             return
-        token = _bearer_token(scope)
-        user = keys.user_for(token) if token else None
-        if (token and user is None) or (user is None and self._needs_key(scope)):
-            await _refuse(scope, send)
-            return
-        identity = RequestIdentity(user)
+        keys = current.keys
+        key_user, may_assert = None, True
+        if keys is not None:
+            token = _bearer_token(scope)
+            principal = keys.principal_for(token) if token else None
+            if (token and principal is None) or (
+                principal is None and self._needs_key(scope)
+            ):
+                await _refuse(scope, send, HTTPStatus.UNAUTHORIZED, REFUSAL_MESSAGE)
+                return
+            if principal is not None:
+                key_user, may_assert = principal.user, principal.gateway
+            else:
+                may_assert = False
+        header_user = None
+        if current.header is not None and may_assert:
+            name = current.header.encode("latin-1")
+            values = [v for n, v in scope.get("headers", []) if n == name]
+            try:
+                header_user = user_from_header(values, current.header)
+            except OutputRateConfigError as exc:
+                await _refuse(scope, send, HTTPStatus.BAD_REQUEST, str(exc))
+                return
+        identity = RequestIdentity(Caller(key_user, may_assert, header_user))
         reset = current_identity.set(identity)
         try:
-            if user is None and scope["type"] == "http":
+            if keys is not None and key_user is None and scope["type"] == "http":
                 send = _refusal_aware(send, identity)
             await self.app(scope, receive, send)
         finally:
@@ -139,7 +181,7 @@ def _refusal_aware(send: Send, identity: RequestIdentity) -> Send:
             start, held = held, None
             if identity.refused:
                 replaced = True
-                await _unauthorized(send)
+                await _answer(send, HTTPStatus.UNAUTHORIZED, REFUSAL_MESSAGE)
                 return
             await send(start)
         await send(message)
@@ -156,63 +198,129 @@ def _bearer_token(scope: dict[str, Any]) -> str:
     return ""
 
 
-async def _refuse(scope: dict[str, Any], send: Send) -> None:
+async def _refuse(
+    scope: dict[str, Any], send: Send, status: HTTPStatus, message: str
+) -> None:
     if scope["type"] == "websocket":
         # Policy violation, before the handshake is accepted.
         await send({"type": "websocket.close", "code": 1008})
     else:
-        await _unauthorized(send)
+        await _answer(send, status, message)
 
 
-async def _unauthorized(send: Send) -> None:
+async def _answer(send: Send, status: HTTPStatus, message: str) -> None:
+    kind = "Unauthorized" if status == HTTPStatus.UNAUTHORIZED else "BadRequestError"
     body = json.dumps(
-        {
-            "error": {
-                "message": REFUSAL_MESSAGE,
-                "type": "Unauthorized",
-                "code": HTTPStatus.UNAUTHORIZED.value,
-            }
-        }
+        {"error": {"message": message, "type": kind, "code": status.value}}
     ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if status == HTTPStatus.UNAUTHORIZED:
+        headers.append((b"www-authenticate", b"Bearer"))
     await send(
-        {
-            "type": "http.response.start",
-            "status": HTTPStatus.UNAUTHORIZED.value,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b"Bearer"),
-            ],
-        }
+        {"type": "http.response.start", "status": status.value, "headers": headers}
     )
     await send({"type": "http.response.body", "body": body})
 
 
-# ----- stamping a request with its verified user ---------------------------
+# ----- deciding a request's user -------------------------------------------
+
+
+def note_api_request(request: Any) -> None:
+    """Record the user an API request's body fields name (HTTP 400 when
+    malformed), from a caller whose fields count."""
+    identity = current_identity.get()
+    if policy is None or not policy.body_fields or identity is None:
+        return
+    if not identity.caller.may_assert:
+        return
+    try:
+        identity.field_user = user_from_body_fields(request, policy.body_fields)
+    except OutputRateConfigError as exc:
+        raise VLLMValidationError(str(exc)) from None
+
+
+_ABSENT: Any = object()
+
+
+def user_of_api_request(request: Any) -> str | None:
+    """The user an API request belongs to, before it is rendered (None:
+    not known yet; the funnel decides, or refuses a request without a key)."""
+    note_api_request(request)
+    identity = current_identity.get()
+    caller = identity.caller if identity is not None else ANONYMOUS_CALLER
+    field_user = identity.field_user if identity is not None else None
+    keys = policy is not None and policy.keys is not None
+    if keys and caller.key_user is None:
+        return None
+    if hasattr(request, "vllm_xargs"):
+        extra_args = request.vllm_xargs
+    else:
+        params: Any = getattr(request, "sampling_params", None)
+        extra_args = getattr(params, "extra_args", _ABSENT)
+    asserted = caller.may_assert and (
+        caller.header_user is not None or field_user is not None
+    )
+    if extra_args is _ABSENT and not (keys or asserted):
+        return None  # this kind names its user only as it enters the engine
+    return _decided(
+        caller, field_user, None if extra_args is _ABSENT else extra_args, keys
+    ).user
+
+
+def identity_at_funnel(params: Any) -> Identity:
+    """The identity of a request entering the engine, or a refusal."""
+    identity = current_identity.get()
+    keys = policy is not None and policy.keys is not None
+    if identity is None:
+        if keys:  # outside any HTTP request: nobody verified
+            raise IdentityRequiredError()
+        caller, field_user = ANONYMOUS_CALLER, None
+    else:
+        caller, field_user = identity.caller, identity.field_user
+        if keys and caller.key_user is None:
+            identity.refused = True
+            raise IdentityRequiredError()
+    return _decided(caller, field_user, getattr(params, "extra_args", None), keys)
+
+
+def _decided(
+    caller: Caller, field_user: str | None, extra_args: Any, keys: bool
+) -> Identity:
+    try:
+        return decide(caller, field_user, extra_args, keys=keys)
+    except OutputRateConfigError as exc:
+        raise VLLMValidationError(
+            str(exc), parameter=f"vllm_xargs.{USER_FIELD}"
+        ) from None
+
+
+# ----- stamping a request with its user -----------------------------------
 
 
 def stamp_or_refuse(prompt: Any, params: Any) -> tuple[Any, Any]:
-    """Put the verified user into a request about to enter the engine.
+    """Put the decided user (and, with the option, its cache salt) into a
+    request about to enter the engine.
 
     ``prompt`` and ``params`` are the engine client's ``add_request``
     arguments; returns them with the user written into every set of sampling
     parameters the request carries (its own, an ``EngineCoreRequest``
-    prompt's, each streamed input's). Raises IdentityRequiredError when the
-    request has no verified user.
+    prompt's, each streamed input's). Raises IdentityRequiredError (401) or
+    VLLMValidationError (400).
     """
-    identity = current_identity.get()
-    if identity is None or identity.user is None:
-        if identity is not None:
-            identity.refused = True
-        raise IdentityRequiredError()
     from vllm.v1.engine import EngineCoreRequest
 
-    user = identity.user
-    params = with_user(params, user)
+    identity = identity_at_funnel(params)
+    salt = salt_for(identity) if policy is not None and policy.cache_salt else None
+    params = with_user(params, identity.user)
     if isinstance(prompt, EngineCoreRequest):
-        prompt.sampling_params = with_user(prompt.sampling_params, user)
-    elif isinstance(prompt, AsyncIterator):
-        prompt = _stamped_inputs(prompt, user)
+        prompt.sampling_params = with_user(prompt.sampling_params, identity.user)
+    if isinstance(prompt, AsyncIterator):
+        prompt = _stamped_inputs(prompt, identity.user, salt)
+    elif salt is not None and prompt is not None:  # None: params only
+        prompt = salted(prompt, salt)
     return prompt, params
 
 
@@ -226,9 +334,13 @@ def with_user(params: Any, user: str) -> Any:
     return params
 
 
-async def _stamped_inputs(inputs: AsyncIterator[Any], user: str) -> AsyncIterator[Any]:
+async def _stamped_inputs(
+    inputs: AsyncIterator[Any], user: str, salt: str | None
+) -> AsyncIterator[Any]:
     """Streamed inputs (vLLM's ``StreamingInput``) may bring their own
-    sampling parameters; each one gets the verified user."""
+    sampling parameters; each one gets the user, and its prompt the salt."""
     async for chunk in inputs:
         with_user(getattr(chunk, "sampling_params", None), user)
+        if salt is not None:
+            chunk.prompt = salted(chunk.prompt, salt)
         yield chunk

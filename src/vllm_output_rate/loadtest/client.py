@@ -100,6 +100,16 @@ def _http_error_text(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {text}" if text else f"HTTP {status}"
 
 
+def retry_after_s(headers: httpx.Headers) -> float | None:
+    """A refusal's ``retry-after-ms`` (else ``retry-after``), in seconds."""
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        with contextlib.suppress(KeyError, ValueError):
+            value = float(headers[name]) / scale
+            if value >= 0:
+                return value
+    return None
+
+
 def _detail(exc: httpx.TransportError) -> str:
     return str(exc) or type(exc).__name__
 
@@ -139,9 +149,11 @@ class _Run:
                 self.in_flight -= 1
                 record.end_s = self.now()
             if not record.ok:
+                # A 429 says when to come back: a stream honours it.
+                pause = record.retry_after_s or FAILURE_BACKOFF_S
                 remaining = self.deadline - time.monotonic()
                 if remaining > 0:
-                    await asyncio.sleep(min(FAILURE_BACKOFF_S, remaining))
+                    await asyncio.sleep(min(pause, remaining))
 
     async def _request(
         self, body: dict[str, Any], headers: dict[str, str], record: RequestRecord
@@ -153,6 +165,7 @@ class _Run:
             ) as response:
                 record.status = response.status_code
                 if response.status_code != 200:
+                    record.retry_after_s = retry_after_s(response.headers)
                     raw = await response.aread()
                     record.error = _http_error_text(response.status_code, raw)
                     return
@@ -202,7 +215,7 @@ class _Run:
             if r.end_s is not None:
                 if r.ok:
                     completed[label] += 1
-                else:
+                elif not r.rejected:
                     failed[label] += 1
         return ProgressSnapshot(
             elapsed_s=self.now(),

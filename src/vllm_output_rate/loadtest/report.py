@@ -43,6 +43,11 @@ def _requests(u: UserSummary) -> str:
     text = str(u.requests_completed)
     if u.requests_failed:
         text += f" (+{u.requests_failed} failed)"
+    if u.requests_rejected:
+        text += f" (+{u.requests_rejected} x 429"
+        if u.retry_after_p50_s is not None:
+            text += f", retry {u.retry_after_p50_s:.1f} s"
+        text += ")"
     return text
 
 
@@ -56,7 +61,8 @@ def _tokens(u: UserSummary) -> str:
 def format_table(result: LoadResult, title: str | None = None) -> str:
     """A plain-text table, one row per user, plus a totals line.
 
-    Columns: user, limit (tok/s), streams, requests (completed, failed),
+    Columns: user, limit (tok/s), streams, requests (completed, failed, and
+    refused with 429 with their median Retry-After),
     tokens (client count / server usage), measured tok/s over the user's
     first-to-last-token span, TTFT p50/p95 in ms, and whether the bound
     ``tokens <= (W + 0.1) * limit + 1`` held over the window from the user's
@@ -100,10 +106,12 @@ def format_table(result: LoadResult, title: str | None = None) -> str:
     console.print(table)
     requests = len(result.records)
     failed = len(result.failed_requests)
+    rejected = len(result.rejected_requests)
+    refused = f", {rejected} refused with 429" if rejected else ""
     total_rate = result.total_tokens / result.elapsed_s if result.elapsed_s > 0 else 0.0
     totals = (
         f"{result.spec.endpoint} endpoint, max_tokens {result.spec.max_tokens}, "
-        f"{result.elapsed_s:.1f} s: {requests} requests ({failed} failed), "
+        f"{result.elapsed_s:.1f} s: {requests} requests ({failed} failed{refused}), "
         f"{result.total_tokens:,} tokens, {total_rate:,.1f} tok/s in total"
     )
     lines = [line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines()]

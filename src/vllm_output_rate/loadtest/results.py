@@ -57,7 +57,13 @@ class LoadResult:
 
     @property
     def failed_requests(self) -> list[RequestRecord]:
-        return [r for r in self.records if not r.ok]
+        """Requests that did not complete, 429s apart (``rejected_requests``)."""
+        return [r for r in self.records if not r.ok and not r.rejected]
+
+    @property
+    def rejected_requests(self) -> list[RequestRecord]:
+        """Requests refused with HTTP 429 (the user's own excess)."""
+        return [r for r in self.records if r.rejected]
 
     @property
     def ok(self) -> bool:

@@ -48,6 +48,13 @@ class RequestRecord:
     usage_completion_tokens: int | None = None
     status: int | None = None
     error: str | None = None
+    # A 429's Retry-After (retry-after-ms, else retry-after), in seconds.
+    retry_after_s: float | None = None
+
+    @property
+    def rejected(self) -> bool:
+        """Refused with HTTP 429: the user's own excess, not an error."""
+        return self.status == 429
 
     @property
     def tokens(self) -> int:
@@ -107,6 +114,9 @@ class UserSummary:
     bound_allowance: float | None
     bound_ok: bool | None
     series_tok_s: list[float] = field(default_factory=list)
+    # Refused with 429 (not counted as failed), and their median Retry-After.
+    requests_rejected: int = 0
+    retry_after_p50_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -224,7 +234,7 @@ def summarize_user(
         limit=user.limit,
         streams=user.streams,
         requests_completed=sum(1 for r in mine if r.ok),
-        requests_failed=sum(1 for r in mine if not r.ok),
+        requests_failed=sum(1 for r in mine if not r.ok and not r.rejected),
         tokens_client=tokens,
         tokens_server=sum(r.usage_completion_tokens or 0 for r in with_usage),
         token_count_mismatches=sum(
@@ -240,6 +250,10 @@ def summarize_user(
         bound_allowance=allowance,
         bound_ok=None if allowance is None else tokens <= allowance,
         series_tok_s=bin_rates(chunks, horizon_s, bin_s),
+        requests_rejected=sum(1 for r in mine if r.rejected),
+        retry_after_p50_s=percentile(
+            [r.retry_after_s for r in mine if r.retry_after_s is not None], 50
+        ),
     )
 
 

@@ -1,31 +1,22 @@
-"""What vLLM's engine modes ask of the hold-back and of admission (no vLLM
-import).
+"""What vLLM's engine modes ask of the hold-back and admission (no vLLM import).
 
 The policy holds a request back short of its sampling position, or leaves a
-waiting request queued, when its user has no budget. Three modes restrict
-where a prefill may stop or what may be admitted:
+waiting request queued, when its user has no budget. ``EngineModes`` knows
+the engine's modes and answers:
 
-* hybrid and attention-free models with prefix caching: vLLM caches Mamba
-  state at block boundaries, so a chunk that stops short of the prompt's end
-  must end on one (``mamba_block_size``);
-* multimodal input that must not be chunked (``split_mm_inputs=False``): a
-  chunk may not end inside a placeholder, and stopping before one would
-  leave the encoder run vLLM planned for the chunk unused;
-* KV connectors (offloading, prefill/decode disaggregation): a new request's
-  KV may come from outside up to its last token, found only when vLLM
-  admits it (``external_kv``).
+* ``hold_back_end``: where a prefill may stop without sampling: on a Mamba
+  block boundary for hybrid models (``mamba_block_size``), nowhere when the
+  sampling position is inside a placeholder of multimodal input that must
+  not be chunked (``split_mm_inputs=False``), or for a seeded request on CPU
+  (``seeded_partial_prefill`` off: its generator cannot be rewound);
+* ``may_only_run_by_sampling``: whether admitting a waiting request could
+  leave only its sampling position (a prefix-cache or KV-connector hit);
+* ``adapter_fits``: whether ``--max-loras`` holds with every resident
+  request's adapter counted.
 
-And one limits admission for everyone: LoRA's ``--max-loras`` counts the
-adapters of every resident request (``max_loras``).
-
-One platform fact too: after a prefill chunk that does not sample, vLLM
-rewinds the request's random generator if it has a seed
-(``gen.set_offset``), which a CPU generator refuses ("CPU Generator does
-not use offset": the engine dies). On CPU (``seeded_partial_prefill`` off)
-a seeded request is therefore never held back partway: it waits whole.
-
+Why each, and what broke without it: docs/architecture.md, "Engine modes".
 Requests are vLLM ``Request`` objects (read: ``mm_features``,
-``lora_request``, ``num_tokens``, ``num_computed_tokens``).
+``lora_request``, ``sampling_params``, ``num_tokens``, ``num_computed_tokens``).
 """
 
 from __future__ import annotations

@@ -1,47 +1,22 @@
 """Who is owed service when the engine is the bottleneck (no vLLM import).
 
-Ceilings (the limiter) say how much a user may receive at most; this module
-says who goes first when the engine cannot serve every runnable request in a
-step: active slots, resident slots or the step's token budget run out while
-users are below their ceilings.
+Ceilings (the limiter) say how much a user may receive at most;
+``FairShare`` says who goes first when active slots, resident slots or a
+step's token budget run out while users are below their ceilings. Per user:
 
-**Weights** (VTC, Sheng et al., OSDI 2024). Every user has a *virtual
-service counter* ``V_u``: the service it received, divided by its weight
-(default 1). Service is counted in tokens: each output token costs 1, each
-prompt token computed (prefill, or recompute after a preemption) costs
-``PREFILL_TOKEN_COST``. The ranking (``key``) puts the user with the lowest
-counter first; within a step, the ``k``-th slot a user would take is ranked
-at ``V_u + k / w_u``, so slots are handed out as weighted round-robin in
-tokens, not in requests.
+* a virtual service counter ``V_u`` (after VTC): output tokens plus
+  ``PREFILL_TOKEN_COST`` per prompt token computed, over the user's weight,
+  added only for steps that left someone waiting (``charge``) and read no
+  lower than the *level*, the lowest counter of the last step's backlogged
+  users (``backlogged``): idling earns no credit, plenty earns no debt;
+* floor credit, for a user with a floor: earned while it has unfinished
+  requests (at most ``FLOOR_BURST_S`` of its floor), spent per output token
+  (``credit_floors``); time a whole burst behind is counted.
 
-Idling earns no credit. The *level* ``L`` is the lowest counter among the
-*backlogged* users of the last step (those with a runnable request left
-unserved for lack of room); every other user's counter is read as
-``max(V_u, L)`` (and written so when it is next charged). So a newly
-arriving user, a user back from idling, and a user held back by its own
-ceiling all start level with the least-served backlogged user: ahead of
-nobody that is owed more, and starved by nobody's past.
-
-Plenty earns no debt. Only steps that left someone waiting are counted: in
-the others everyone got all it asked for, and nobody is owed anything for
-them (VTC counts every token, so a user that ran three streams beside
-another's one while the engine had room would lose every slot to it when
-the engine fills up, until the other caught up).
-
-**Floors.** A user with a floor ``f`` tok/s earns ``f`` tokens of *floor
-credit* per second while it has unfinished requests (capped at
-``FLOOR_BURST_S`` of its floor, at least one token) and spends one per output
-token it receives; with no unfinished request the credit is zero (no
-banking). While it holds at least one token of credit it is *below its
-floor*: its next ``floor(credit)`` slots rank ahead of every counter. A user
-whose credit reached the cap is behind its floor by a whole burst: that time
-is counted (``below_floor_ns``) and exported as a metric, so an operator
-sees when a floor was not kept (floors are best effort unless their sum fits
-the declared engine capacity, ``--output-rate-engine-capacity``).
-
-The bound this gives, and its proof, are in docs/architecture.md ("Fair
-shares"). The per-step cost is O(users served + backlogged users), never
-O(resident requests).
+``key`` ranks a user's ``k``-th slot of a step: a user below its floor ahead
+of every counter, then ``V_u + k / w_u``. Why each rule, the bound it gives
+and its proof: docs/architecture.md, "Fair shares when the engine is full".
+Cost per step: O(users served + backlogged users), never O(resident requests).
 """
 
 from __future__ import annotations

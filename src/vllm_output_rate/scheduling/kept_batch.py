@@ -1,33 +1,18 @@
 """Keeping a saturated engine's batch between two rankings (no vLLM import).
 
-On a saturated engine where no limit binds, every step hands the active
-slots out by rank (``ordering.share_slots``), and ranking costs the
-scheduler about as much again as vLLM's own step on a small model. With
-turns (``fair_share.TURN_TOKENS``) the ranking picks the same batch for many
-steps in a row, so a step may keep the last ranking's batch instead, as long
-as ranking afresh could not pick otherwise:
+With turns (``fair_share.TURN_TOKENS``) the ranking of a contested step
+picks the same batch for many steps in a row. ``KeptBatch`` holds the last
+ranking's batch (each user's last pick and next slot, the best key of the
+users it picked nothing for) and answers, with ``still_first``, whether
+ranking afresh now would pick the same batch, given that nothing the ranking
+reads has changed (the caller, ``shortcuts.py``, checks that). Most answers
+compare two numbers: a look at the keys records the least lead of a pick
+over its first rival (``lead``), which holds while the counters have grown by
+less than that in all. O(users served), never O(resident requests).
 
-* nothing the ranking read has changed: no request arrived, finished,
-  was admitted, preempted or throttled, no limit or weight changed, every
-  active slot was filled by a running request, and no user with a floor
-  (whose credit grows with time) has unfinished requests;
-* every user's last pick still ranks ahead of every key left unpicked:
-  the next slot of each other picked user (recomputed, as its counter grows)
-  and the best key of the users picked nothing (``rivals_key``, kept from
-  the ranking: their counters do not move while they receive nothing, and
-  the level only rises, so their keys cannot fall). A user's own next slot
-  always ranks behind its last pick.
-
-The keys are not looked at in every step: a look that finds every pick
-ahead by a lead of ``d`` (counter units) holds while the counters have
-grown by less than ``d`` in all, since no rival's key falls and no pick's
-counter, read at the level, grows in a step by more than the most one
-user was charged (tokens / weight) or the level rose (``FairShare.charge``,
-``FairShare.backlogged``). So most kept steps compare two numbers.
-
-So a kept step serves what a ranked step would have, and the bound on the
-service difference (docs/architecture.md, "Fair shares") is unchanged. The
-check is O(users served), never O(resident requests).
+Why a kept step serves what a ranked step would have, so that the fair-share
+bound is unchanged: docs/architecture.md, "Fair shares when the engine is
+full" ("Kept batch").
 """
 
 from __future__ import annotations

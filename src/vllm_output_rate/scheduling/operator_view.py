@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from vllm_output_rate.budget import Budget
@@ -26,7 +27,8 @@ from vllm_output_rate.config import (
     parse_limits_update,
 )
 from vllm_output_rate.scheduling.fair_share import FairShare
-from vllm_output_rate.scheduling.stats import OTHER_USERS, OutputRateStats
+from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
+from vllm_output_rate.scheduling.stats import OutputRateStats
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.shortcuts import StepLayers
@@ -50,16 +52,21 @@ class OperatorView:
         return document
 
     def limits_page(
-        self, limit: int | None, after: str | None = None
+        self,
+        limit: int | None,
+        after: str | None = None,
+        extra_users: Collection[str] = (),
     ) -> dict[str, Any]:
         """The limits document of up to ``limit`` users (all: None) with a
-        limit, weight or floor of their own, in name order after the name
-        ``after``; with the cursor of the next page (None at the end) and
-        the number of such users. A page is a valid body for a change."""
+        limit, weight or floor of their own (or among ``extra_users``: those
+        with admission caps of their own), in name order after the name
+        ``after``; with the cursor of the next page (None at the end), the
+        page's names and the number of such users. A page is a valid body
+        for a change."""
         self.limiter.apply_pending()  # an idle engine takes no steps
         limiter, fair = self.limiter, self.fair
         rates, weights, floors = limiter.user_rates, fair.weights, fair.floors
-        names = sorted(rates.keys() | weights.keys() | floors.keys())
+        names = sorted(rates.keys() | weights.keys() | floors.keys() | set(extra_users))
         start = 0 if after is None else bisect.bisect_right(names, after)
         end = len(names) if limit is None else start + limit
         page = names[start:end]
@@ -71,6 +78,7 @@ class OperatorView:
                 FLOORS_KEY: {u: floors[u] for u in page if u in floors},
             },
             "next": page[-1] if page and end < len(names) else None,
+            "names": page,
             "total": len(names),
         }
 

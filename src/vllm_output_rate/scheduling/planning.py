@@ -36,8 +36,8 @@ from vllm_output_rate.seams import num_free_kv_blocks, preempt
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.policy import OutputRatePolicy
-    from vllm_output_rate.scheduling.residency import StepSlots
     from vllm_output_rate.scheduling.step import Step
+    from vllm_output_rate.scheduling.step_slots import StepSlots
 
 NOTHING: Mapping[str, int] = MappingProxyType({})
 

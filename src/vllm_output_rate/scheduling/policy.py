@@ -2,25 +2,19 @@
 
 ``OutputRatePolicy`` is held by the scheduler subclasses (``scheduler.py``)
 as ``scheduler.output_rate``, the one attribute this plugin adds to vLLM's
-scheduler; the subclasses only forward vLLM's hooks to it. It reads and
-writes the scheduler through the attributes declared in
-``seams.SchedulerHost``.
+scheduler; they only forward vLLM's hooks to it. It reads and writes the
+scheduler through the attributes declared in ``seams.SchedulerHost``.
 
-A step, as vLLM's ``schedule()`` runs it:
-
-1. ``begin_step`` reserves every user's allowance in one limiter call, sized
-   to what its unfinished requests can sample (``accounting.py``), and makes
-   the ``Step`` (``step.py``): uncontested when nobody can be refused and no
-   active slot is contested, else contested and planned (``planning.py``).
-2. vLLM schedules, calling the step's ``on_chunk`` for every chunk it sizes
-   and ``admit_waiting`` for waiting requests.
-3. ``end_step`` records vLLM's output; ``finish_step`` settles the step
-   (``settling.py``): charges, the single refund point, fair-share counters,
-   statistics.
-
-``shortcuts.py`` layers speed-only paths over this reference path; the
-``shortcuts`` setting switches them off. What operators read and change of
-the policy is in ``operator_view.py``.
+It holds what lives across steps (the budget, each user's demand and last
+served step, fair shares, residency, statistics) and runs each step:
+``begin_step`` reserves every user's allowance in one limiter call and
+makes the ``Step`` (``step.py``; planned by ``planning.py`` when
+contested); vLLM schedules, calling the step's hooks; ``end_step`` records
+vLLM's output and ``finish_step`` settles the step (``settling.py``).
+``shortcuts.py`` layers speed-only paths over this reference path (the
+``shortcuts`` setting); what operators read and change is in
+``operator_view.py``. The step, walked through: docs/architecture.md,
+"One scheduler step".
 """
 
 from __future__ import annotations

@@ -1,60 +1,23 @@
 """Who may hold the engine's resident slots and KV blocks (no vLLM import).
 
-The promise (README, "What it guarantees"): a user with budget is never kept
-waiting by another user's throttled requests, whichever place is scarce:
-active slots (``--max-num-active-seqs``: ``ordering.share_slots``), resident
-slots (``--max-num-seqs``), KV blocks, or its place in the waiting queue.
+``Residency`` keeps the lock-out rules' state across steps. Before each
+contested step in which requests wait, ``plan`` counts the step's accounts
+(``step_slots.StepSlots``: each user's resident requests, and the slots it
+*claims*: those its budget can use beyond its resident ones); then:
 
-Before each step in which some limit binds (in a fast step nobody can be
-refused, so nothing here applies), ``Residency.plan`` counts per user:
+1. ``reclaim`` preempts throttled residents (with the ``preempt`` it is
+   given: vLLM's recompute preemption) for the claimants when resident slots
+   or KV blocks are short; a request taken is not taken again before it has
+   sampled once more;
+2. no refill ahead of budget (``StepSlots.may_prefill_ahead``) while another
+   user with budget claimed in the last ``CONTENTION_HOLD_NS``;
+3. ``scan_needed``/``scanned`` close vLLM's waiting scan for a step that
+   cannot admit anyone.
 
-* ``resident``: its requests in vLLM's running list;
-* ``waiting``: its unfinished requests that are not resident;
-* ``wanted``: the resident slots it can use in this step: its waiting
-  requests, up to its budget beyond what its resident ones take (each
-  request samples at most one token per step). A user with ``wanted > 0``
-  is a *claimant*;
-* its *idle* residents: those its budget cannot feed in this step
-  (``resident - reserved``), the ones served most recently (the others are
-  next in its rotation). A request preempted by this plugin is not idle
-  again before it has sampled once more: each preemption buys its claimant
-  at least one token before the victim can be taken back.
-
-Then three rules:
-
-1. **Reclaim.** When the claimants want more slots than are free, or the
-   free KV blocks cannot hold their first chunks, idle residents are
-   preempted for them (vLLM's own recompute preemption, done by the policy).
-   A victim's user must hold more resident requests than its rate can feed
-   (that surplus costs it nothing) or more than the claimant (the slot moves
-   towards the user holding fewer, ``ordering.slot_rank``): so a user with
-   nothing resident always gets in, and a throttled user keeps what its
-   rate needs unless someone holding less needs it. The victims wait in
-   vLLM's queue and resume later, unchanged; with prefix caching their KV
-   blocks often survive in the cache.
-2. **No refill ahead of budget.** A waiting request of a user without budget
-   may be admitted to prefill up to its sampling position only while no
-   claimant is left waiting in the step and, while other users with budget
-   have been arriving (in the last ``CONTENTION_HOLD_NS``), only up to what
-   its rate can feed: the most tokens its limit admits in one step, plus one
-   stream prefilled ahead. Without this, a slot freed for a claimant would be
-   refilled by a throttled stream and reclaimed again for the next one.
-   Alone on the engine, a throttled user may still prefill all its streams
-   ahead (they take turns, ``ordering.rotate_within_groups``).
-3. **Closed admission.** When no waiting user can be admitted (no budget,
-   no room to prefill ahead), vLLM's waiting scan is closed for the step, so
-   thousands of queued throttled streams cost nothing per step. So it is
-   when only prefill ahead could admit and the last such scan admitted
-   nothing, until something it depends on changes (a request arrives or
-   leaves, a resident finishes, KV blocks are freed, a user may grow).
-
-A user's waiting streams are admitted in vLLM's queue order (FCFS or
-priority), and a preempted one goes back to the head of that queue, so none
-of them starves: each waits only for the streams ahead of it.
-
-Requests are vLLM ``Request`` objects, read through ``request_id``,
-``num_output_tokens``, ``num_computed_tokens``, ``priority`` and the tags in
-``demand.py``.
+``count_recompute`` counts tokens computed again after any preemption. Why:
+docs/architecture.md, "Nobody waits for a throttled request". Requests are
+vLLM ``Request`` objects (read: ``request_id``, ``num_output_tokens``,
+``num_computed_tokens``, ``num_tokens``, ``priority``, ``demand.py``'s tags).
 """
 
 from __future__ import annotations
@@ -67,105 +30,13 @@ from typing import Any
 from vllm_output_rate.scheduling.demand import last_served_of, user_of
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.ordering import SlotHolders, claim_order
+from vllm_output_rate.scheduling.step_slots import StepSlots
 
 # How long after a user with budget last claimed a slot the engine counts as
 # contested for everyone else (rule 2).
 CONTENTION_HOLD_NS = 1_000_000_000
 # A priority value no request has: nothing may be taken for it.
 NO_VICTIM = sys.maxsize
-
-
-class StepSlots:
-    """One step's residency accounts; built by ``Residency.plan``."""
-
-    def __init__(
-        self,
-        resident: Counter[str],
-        wanted: dict[str, int],
-        reserved: Mapping[str, int],
-        may_grow: Callable[[str, int], bool],
-        free: int,
-    ) -> None:
-        self.resident = resident
-        self.wanted = wanted
-        self.reserved = reserved
-        self._may_grow = may_grow
-        self.outstanding = sum(wanted.values())  # slots claimants still wait for
-        self.free = free  # resident slots free now
-        self.preempted_ids: set[str] = set()
-        # Active slots handed to claimants by rank (``ordering.share_slots``);
-        # None: any claimant may take a free slot.
-        self.granted: dict[str, int] | None = None
-        self.admissions = 0  # waiting requests let through in the step
-        # What the step's scan depends on, when only prefill ahead can admit.
-        self.scan_state: tuple[Any, ...] | None = None
-
-    def may_take_a_slot(self, user: str) -> bool:
-        """Whether a request of ``user``, which has budget now, may be
-        admitted: if it is a claimant, or if that leaves a free slot for
-        each slot still claimed (a user with budget that did not claim has
-        it because one of its residents was deferred; slots freed for the
-        claimants are theirs). When the step's slots were handed out by
-        rank, only to a user granted one."""
-        if self.granted is not None:
-            return self.granted.get(user, 0) > 0
-        return bool(self.wanted.get(user)) or self.free > self.outstanding
-
-    def may_prefill_ahead(self, user: str) -> bool:
-        """Whether a request of ``user``, which has no budget now, may be
-        admitted to prefill ahead (rule 2)."""
-        return not self.outstanding and self._may_grow(user, self.resident[user])
-
-    def admitted(self, user: str) -> None:
-        """Count a waiting request of ``user`` that vLLM may now admit."""
-        self.resident[user] += 1
-        self.free -= 1
-        self.admissions += 1
-        if self.granted:
-            granted = self.granted.get(user, 0)
-            if granted:
-                self.granted[user] = granted - 1
-        wanted = self.wanted.get(user)
-        if wanted:
-            self.wanted[user] = wanted - 1
-            self.outstanding -= 1
-
-    def may_give(self) -> bool:
-        """Whether some user holds resident requests its budget cannot feed
-        and claims none: only those can be taken back (rule 1)."""
-        reserved, wanted = self.reserved, self.wanted
-        return any(
-            count > reserved.get(user, 0) and not wanted.get(user)
-            for user, count in self.resident.items()
-        )
-
-    def grants_left(self) -> int:
-        """Active slots granted by rank and not yet taken."""
-        return sum(self.granted.values()) if self.granted else 0
-
-    def left_waiting(self) -> list[str]:
-        """Claimants still waiting for a slot (after the step's admissions)."""
-        return [user for user, n in self.wanted.items() if n]
-
-    def claimant_without_residents(self) -> bool:
-        resident = self.resident
-        return any(n and not resident[user] for user, n in self.wanted.items())
-
-    def prefill_ahead_users(
-        self, unfinished: Mapping[str, int]
-    ) -> frozenset[str] | None:
-        """The waiting users that may prefill ahead, or None when a claim is
-        outstanding: then any scan may admit. (A waiting user whose budget
-        its resident requests take is no claimant.)"""
-        if self.outstanding:
-            return None
-        resident = self.resident
-        growing = []
-        for user, count in unfinished.items():
-            have = resident[user]
-            if count > have and self._may_grow(user, have):
-                growing.append(user)
-        return frozenset(growing)
 
 
 class Residency:

@@ -4,25 +4,23 @@ Each layer changes where the time goes, never what is decided:
 ``tests/scheduling/test_shortcuts.py`` runs randomized workloads with and
 without them and asserts the same dispatches and charges, step by step.
 ``ReferenceStep`` is the plain path (``"shortcuts": false`` in the plugin's
-settings); ``Shortcuts`` adds these layers (why each pays: docs/architecture.md,
-"Shortcuts"):
+settings); ``Shortcuts`` adds five layers:
 
-* **vLLM's own hook in uncontested steps.** Nobody can be refused, so our
-  per-request hook would only charge: vLLM's ``_reserve_prefill_lookahead``
-  stands in for it and the step's tokens are charged from its output.
-* **The kept batch.** A contested step on a saturated engine whose ranking
-  could not pick otherwise serves the last ranking's batch again without
-  ranking (``kept_batch.py``).
-* **Ranking by rotations.** A contested step ranks from each user's
-  requests kept in rotation between steps (``rotations.py``), at a cost
-  that follows what changed, where ``share_slots`` would sort them all.
-* **The batch alone in vLLM's loop.** When a contested step can schedule
-  nothing but its batch, the running requests beyond it are set aside for
-  vLLM's step and vLLM's own hook runs; its waiting scan ends once the
-  slots granted to waiting requests are taken (``set_aside.py``).
-* **Settling beside the model.** ``end_step`` only notes the step; it is
-  settled when vLLM's engine asks for the grammar bitmask, after it handed
-  the step to the model worker, or by whichever entry point comes first.
+* **vLLM's own hook in uncontested steps**, whose tokens are then charged
+  from the step's output;
+* **the kept batch** (``kept_batch.py``): a contested step on a saturated
+  engine serves the last ranking's batch again without ranking;
+* **ranking by rotations** (``rotations.py``): a contested step ranks from
+  each user's requests kept in rotation between steps, at a cost that
+  follows what changed, where ``share_slots`` would sort them all;
+* **the batch alone in vLLM's loop** (``set_aside.py``): when a contested
+  step can schedule nothing but its batch, the other running requests are
+  set aside for vLLM's step and its waiting scan ends early;
+* **settling beside the model**: ``end_step`` only notes the step; it is
+  settled when vLLM asks for the grammar bitmask, after handing the step to
+  the model worker, or by whichever entry point comes first.
+
+How each works and why it pays: docs/architecture.md, "Shortcuts".
 """
 
 from __future__ import annotations

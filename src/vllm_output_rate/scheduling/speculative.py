@@ -1,33 +1,20 @@
-"""Speculative decoding's accounts: charge the most a step can emit, give
-back what it did not emit.
+"""Speculative decoding's ledger: charge the most a step can emit, give back
+what it did not emit (no vLLM import).
 
-A decode step that verifies k draft tokens emits between 1 and k + 1 tokens
-(the accepted drafts and one more), and how many is known only after the
-model ran. The policy therefore charges, at dispatch, the most a sampling
-chunk can emit (one token plus its drafts, trimmed first to what the user's
-budget covers) and this module keeps each step's charges per user
-(``record_step``). When vLLM reports the step back (``update_from_output``)
-the scheduler subclass lets the ledger count, around vLLM's own processing,
-the tokens each of the step's requests received (``before_report`` and
-``reported``: bookkeeping only, never a limiter call, so asynchronous
-scheduling keeps working). At the start of the next step, before its
-reservation, the policy gives back what was charged and not received
-(``refunds``): rejected drafts, tokens cut by a stop, a step whose request
-was aborted or had finished meanwhile.
-
-With asynchronous scheduling (or pipeline parallelism) a step is reported
-after later steps already took budget for the same user. Those takes are
-recorded (``note_grants``) and handed to the limiter's ``refund_late``,
-which gives the tokens back without moving the later tokens ahead of their
-slots: the limiter ends exactly where GCRA over the delivered tokens would,
-so the bound ``(W + 0.1) x limit + 1`` holds for what users receive and the
-long-run rate is the limit. The accounting invariant: charges minus refunds
-equal the tokens users received, step by step.
-
-The per-request passes are C-level ``map``s and one plain loop that sums
-per user.
-Requests are vLLM ``Request`` objects; scheduler outputs are vLLM's
-``SchedulerOutput`` (read: ``num_scheduled_tokens``,
+At dispatch a sampling chunk is charged the most it can emit: one token plus
+its drafts, trimmed first to the user's budget (``fit_drafts``,
+``charge_for``). ``SpeculativeLedger`` keeps each step's charges per user
+(``record_step``); when vLLM reports the step back, the scheduler's
+``update_from_output`` lets it count the tokens each request received
+(``before_report``, ``reported``: bookkeeping, never a limiter call, so
+asynchronous scheduling keeps working). Before the next step's reservation,
+``refunds`` gives back what was charged and not received (rejected drafts,
+tokens cut by a stop, a request aborted or finished meanwhile); a step
+reported after later steps took budget is refunded with the limiter's
+``refund_late``, given the later takes (``note_grants``). Invariant: charges
+minus refunds equal the tokens users received, step by step. Why this keeps
+the bound, and the cost: docs/architecture.md, "Engine modes". Scheduler
+outputs are vLLM's ``SchedulerOutput`` (read: ``num_scheduled_tokens``,
 ``scheduled_spec_decode_tokens``, ``scheduled_new_reqs``,
 ``scheduled_cached_reqs.resumed_req_ids``).
 """

@@ -1,25 +1,17 @@
-"""Per-user and per-label counters kept by the scheduler (no vLLM import).
+"""The scheduler's statistics, per user and per label (no vLLM import).
 
-Two views of the same counts:
-
-* per **user**, for the admin stats endpoint (paged JSON): tokens
-  dispatched, refunds, throttled request-steps, resident throttled
-  requests, first tokens and their time from arrival. A user's record is
-  kept while it has traffic and for ``USER_RETENTION_S`` after.
-* per **label**, for Prometheus, whose cardinality is bounded by
-  ``MetricLabels``: the explicitly listed users, ``__anonymous__``, and at
-  most ``recent_users`` users with recent traffic have their own label;
-  everyone else counts under ``__other__``. Each label's series only ever
-  grows (a label is never re-used for another user's counts), so rates
-  over any label stay right.
-
-Updates cost O(users served in the step), not O(tokens), and the per-user
-part runs in C (``map``/``Counter``). Steps that serve the same users as the
-previous one are summed and written into the counters only when the users
-change or someone reads them (``_LastStep``): one that serves exactly what
-the previous one served (steady decoding) costs O(1), one with other counts
-(speculative decoding: accepted drafts differ from step to step) a few
-C-level passes over the users.
+``OutputRateStats`` keeps the same counts twice: per **user**, for the admin
+stats endpoint (``users_page``: tokens dispatched, refunds, throttled
+request-steps, resident throttled requests, first tokens and their time
+from arrival; a record lasts while the user has traffic and
+``USER_RETENTION_S`` after), and per **label**, for Prometheus
+(``snapshot``; labels from ``metric_labels.MetricLabels``, so their number is
+bounded and each label's series only grows). The step's settling records
+into it (``record_step``, ``record_first_tokens``, ...) at a cost of
+O(users served), not O(tokens); steps that serve the same users as the last
+one are summed (``_LastStep``) and written into the counters when the users
+change or someone reads them. Why and how: docs/architecture.md,
+"Statistics and the label bound".
 """
 
 from __future__ import annotations
@@ -32,135 +24,18 @@ from itertools import repeat
 from operator import add, mul
 from typing import Any
 
-from vllm_output_rate.config import ANONYMOUS_USER
-
-OTHER_USERS = "__other__"
-NS_PER_S = 1_000_000_000
-# Upper bounds (seconds) of the histogram of gaps between a user's
-# consecutive dispatched tokens; +Inf is implied.
-GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Upper bounds (seconds) of the time from a request's arrival in the
-# scheduler to the step that samples its first token.
-FIRST_TOKEN_BUCKETS_S = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+from vllm_output_rate.scheduling.metric_labels import LABEL_IDLE_S, MetricLabels
+from vllm_output_rate.scheduling.stat_records import (
+    GAP_BUCKETS_NS,
+    NS_PER_S,
+    LabelStats,
+    UserStats,
 )
-_GAP_BUCKETS_NS = [round(b * NS_PER_S) for b in GAP_BUCKETS_S]
-_FIRST_TOKEN_BUCKETS_NS = [round(b * NS_PER_S) for b in FIRST_TOKEN_BUCKETS_S]
-# A recent user keeps its label this long after its last traffic, so that
-# its series does not flap; then a newly active user may take the label.
-LABEL_IDLE_S = 300.0
+
 # A user's record (the admin view) is dropped this long after its last
 # traffic; the check runs at most once per CHECK_RETENTION_S.
 USER_RETENTION_S = 600.0
 CHECK_RETENTION_S = 60.0
-
-
-class Histogram:
-    """Cumulative counts per bucket, their sum and count (integer ns)."""
-
-    __slots__ = ("bounds_ns", "buckets", "count", "sum_ns")
-
-    def __init__(self, bounds_ns: list[int]) -> None:
-        self.bounds_ns = bounds_ns
-        self.buckets = [0] * (len(bounds_ns) + 1)  # the last one is +Inf
-        self.sum_ns = 0
-        self.count = 0
-
-    def observe(self, value_ns: int, times: int = 1) -> None:
-        self.buckets[bisect.bisect_left(self.bounds_ns, value_ns)] += times
-        self.sum_ns += value_ns * times
-        self.count += times
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "buckets": list(self.buckets),
-            "sum_s": self.sum_ns / NS_PER_S,
-            "count": self.count,
-        }
-
-
-@dataclass
-class LabelStats:
-    tokens_admitted: int = 0
-    refunds: int = 0
-    throttled_request_steps: int = 0
-    resident_throttled: int = 0
-    reclaimed: int = 0  # resident requests preempted for users with budget
-    recomputed_tokens: int = 0  # computed again after any preemption
-    gaps: Histogram = field(default_factory=lambda: Histogram(_GAP_BUCKETS_NS))
-    first_token: Histogram = field(
-        default_factory=lambda: Histogram(_FIRST_TOKEN_BUCKETS_NS)
-    )
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "tokens_admitted": self.tokens_admitted,
-            "refunds": self.refunds,
-            "throttled_request_steps": self.throttled_request_steps,
-            "resident_throttled": self.resident_throttled,
-            "reclaimed": self.reclaimed,
-            "recomputed_tokens": self.recomputed_tokens,
-            "token_gap": self.gaps.snapshot(),
-            "first_token": self.first_token.snapshot(),
-        }
-
-
-@dataclass(slots=True)
-class UserStats:
-    """One user's counts since ``since_ns`` (its first traffic on record)."""
-
-    since_ns: int
-    last_active_ns: int
-    tokens_admitted: int = 0
-    refunds: int = 0
-    throttled_request_steps: int = 0
-    first_tokens: int = 0
-    first_token_sum_ns: int = 0
-
-
-class MetricLabels:
-    """Which users get their own ``user`` label; at most
-    ``len(always) + recent_users + 2`` labels exist at any time.
-
-    A user with traffic takes a free recent slot if there is one and keeps
-    it until it has been idle for ``LABEL_IDLE_S``; while every slot is
-    taken, newcomers count under ``__other__`` (no churn of series).
-    """
-
-    def __init__(self, always: Iterable[str], recent_users: int) -> None:
-        self.always = frozenset(always)
-        self.recent_users = recent_users
-        self.recent: dict[str, None] = {}  # the users holding a recent slot
-
-    def label_of(self, user: str) -> str:
-        """The user's label, taking a free recent slot if it has none."""
-        label = self.current_label(user)
-        if label == OTHER_USERS and len(self.recent) < self.recent_users:
-            self.recent[user] = None
-            return user
-        return label
-
-    def current_label(self, user: str) -> str:
-        """The user's label now (read-only)."""
-        if user in self.always or user == ANONYMOUS_USER or user in self.recent:
-            return user
-        return OTHER_USERS
-
-    def release(self, users: Iterable[str]) -> None:
-        for user in users:
-            self.recent.pop(user, None)
 
 
 @dataclass
@@ -213,7 +88,7 @@ class _LastStep:
 
     def _gap(self, now_ns: int) -> None:
         gap_ns = now_ns - self.time_ns
-        bucket = bisect.bisect_left(_GAP_BUCKETS_NS, gap_ns)
+        bucket = bisect.bisect_left(GAP_BUCKETS_NS, gap_ns)
         self.gap_steps[bucket] = self.gap_steps.get(bucket, 0) + 1
         self.gap_sum_ns += gap_ns
         self.steps += 1

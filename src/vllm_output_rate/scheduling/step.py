@@ -2,24 +2,19 @@
 
 ``OutputRatePolicy.begin_step`` makes a ``Step``: the step's reservation
 (``budget``), its ``mode`` and everything the step's rules write while vLLM's
-``schedule()`` runs. Nothing in it outlives the step: the next step is a new
-value, and ``settling.settle`` reads this one as a unit.
-
-The mode says what the step does to vLLM's lists:
-
-* ``UNCONTESTED``: every user's reservation covers its demand and no active
-  slot is contested, so nobody can be refused: vLLM's order stands;
-* ``CONTESTED``: someone may be refused or slots are contested: resident
-  slots and KV blocks go to users with budget and the running list is
-  ordered (``planning.py``);
-* ``KEPT``: contested, but the last ranking's batch still ranks first, so
-  it is served again without ranking (a shortcut, ``shortcuts.py``).
+``schedule()`` runs. Nothing in it outlives the step; ``settling.settle``
+reads it as a unit. The mode (``StepMode``) says what the step does to
+vLLM's lists: ``UNCONTESTED``, nobody can be refused and vLLM's order
+stands; ``CONTESTED``, resident slots and KV blocks go to users with budget
+and the running list is ordered (``planning.py``); ``KEPT``, a contested step
+that serves the last ranking's batch again (a shortcut, ``shortcuts.py``).
 
 While vLLM schedules, ``on_chunk`` (its ``_reserve_prefill_lookahead``)
 charges, holds back or skips each chunk, and ``admit_waiting`` (its
 ``_handle_blocked_waiting_request``) decides whether a waiting request may
 be tried. ``undo`` puts back what the step changed of vLLM's scheduler for
-its duration.
+its duration. The rules, walked through: docs/architecture.md, "The
+reference step".
 """
 
 from __future__ import annotations
@@ -41,8 +36,8 @@ if TYPE_CHECKING:
     from vllm_output_rate.scheduling.accounting import Accounting
     from vllm_output_rate.scheduling.engine_modes import EngineModes
     from vllm_output_rate.scheduling.ordering import SharedSlots
-    from vllm_output_rate.scheduling.residency import StepSlots
     from vllm_output_rate.scheduling.step_budget import StepBudget
+    from vllm_output_rate.scheduling.step_slots import StepSlots
     from vllm_output_rate.seams import SchedulerHost
 
 
