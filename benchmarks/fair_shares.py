@@ -19,18 +19,26 @@ vLLM's API server here can deliver tokens seconds late. Stock has no
 dispatch log and is read at the client. Then ``engine``: throughput on the
 engine without HTTP (``engine_throughput``'s ``saturated`` pair), judged
 there; ``batch_changes``; and ``ranking_cost``: the scheduler step when every
-step is contested, at U = 256 and 10,000 users (no server).
+step is contested, at U = 256 and 10,000 users (no server), with the Python
+and builtin calls the plugin's code makes per step, counted in a few untimed
+steps (counting slows them): they should grow with the users served in a
+step, not with R. That part alone: ``PYTHONPATH=tests:. python -m
+benchmarks.fair_shares [--requests N] [--rounds N]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import vllm_output_rate
 from benchmarks import batch_changes
 from benchmarks.engine_throughput import engine_throughput
 from benchmarks.kinds import FAIRNESS, FAR_LIMIT, SATURATED_LIMITS
@@ -53,6 +61,8 @@ WARM_S = 5.0
 FULL_S, QUICK_S = 16.0, 10.0
 FULL_ROUNDS, QUICK_ROUNDS = 2, 1
 RANKING_USERS = (256, 10_000)
+COUNTED_STEPS = 3  # untimed steps in which the plugin's calls are counted
+PLUGIN_DIR = str(Path(vllm_output_rate.__file__).parent)
 
 
 def judged_user(streams: dict[str, int]) -> str | None:
@@ -268,10 +278,32 @@ def ranking_cost(model: str, requests: int, rounds: int) -> dict[str, Any]:
                 "ratio": statistics.median(
                     a / b for a, b in zip(ns, times["stock"], strict=True)
                 ),
+                "plugin_calls_per_step": plugin_calls_per_step(subjects[name]),
             }
             for name, ns in times.items()
         },
     }
+
+
+def plugin_calls_per_step(h: Any) -> float:
+    """Calls into the plugin's Python code, and builtin calls it makes, per
+    step (a generator counts once per item it yields)."""
+    calls = 0
+
+    def count(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal calls
+        if event in ("call", "c_call") and frame.f_code.co_filename.startswith(
+            PLUGIN_DIR
+        ):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        for _ in range(COUNTED_STEPS):
+            h.step(1_000_000)
+    finally:
+        sys.setprofile(None)
+    return calls / COUNTED_STEPS
 
 
 def run(quick: bool, work_dir: Path) -> dict[str, Any]:
@@ -287,3 +319,20 @@ def run(quick: bool, work_dir: Path) -> dict[str, Any]:
         "batch_changes": batch_changes.run(model),
         "ranking_cost": ranking_cost(model, *((1024, 10) if quick else (4096, 30))),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ranking's step cost alone (``make bench`` runs the rest too)."""
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--requests", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args(argv)
+    cost = ranking_cost(str(build_tiny_model()), args.requests, args.rounds)
+    print(json.dumps(cost, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

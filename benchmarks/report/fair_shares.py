@@ -166,21 +166,32 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
     ]
     cost = results["ranking_cost"]
     lines += [
-        f"The step when every slot is contested (no server): R = "
+        f"The step when every slot is contested (no server; `PYTHONPATH=tests:. "
+        f"python -m benchmarks.fair_shares --requests {cost['requests']} "
+        f"--rounds {cost['rounds']}`): R = "
         f"{cost['requests']:,} resident requests, active slots R / 2, half the "
         f"users at weight 2, {cost['rounds']} shuffled rounds; the ranking's "
-        "cost should grow with the users, not the requests.",
+        "cost should grow with the users, not the requests. Plugin calls: the "
+        "Python and builtin calls the plugin's code makes in a step (counted in "
+        "untimed steps); they should grow with the users served in a step.",
         "",
-        "| scheduler | step ms (median) | ours / stock (median) |",
-        "|---|---:|---:|",
+        "| scheduler | step ms (median) | ours / stock (median) "
+        "| plugin calls per step |",
+        "|---|---:|---:|---:|",
         *(
-            f"| {name} | {row['step_ms']:.2f} | {row['ratio']:.2f} |"
+            f"| {name} | {row['step_ms']:.2f} | {row['ratio']:.2f} "
+            f"| {_calls(row.get('plugin_calls_per_step'))} |"
             for name, row in cost["subjects"].items()
         ),
         "",
         *image("fair shares", _plot(results, figures_dir / FIGURE), md_dir),
     ]
     return "\n".join(lines)
+
+
+def _calls(calls: float | None) -> str:
+    """Plugin calls per step; older results did not count them."""
+    return "-" if calls is None else f"{calls:,.0f}"
 
 
 def shortcut_lines(changes: dict[str, Any]) -> list[str]:

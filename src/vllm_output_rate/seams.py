@@ -27,6 +27,7 @@ from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm.config import SchedulerConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
@@ -65,6 +66,9 @@ class SchedulerHost:
     finished_req_ids: set[str]
     _inflight_prefills: Collection[Request]
     kv_cache_manager: KVCacheManager
+    # The step's input budget and how prefill chunks are sized (a ranked
+    # step's set-aside, scheduling/set_aside.py).
+    scheduler_config: SchedulerConfig
     block_size: int
     hash_block_size: int
     # Hybrid models: prefill chunks end on Mamba block boundaries.
@@ -176,6 +180,17 @@ def passed_over_next_step(scheduler: SchedulerHost, request: Request) -> bool:
         )
         or scheduler.current_step + 1 < request.next_decode_eligible_step
     )
+
+
+def input_token_budget(scheduler: SchedulerHost) -> int:
+    """Tokens one step may compute (``schedule()``'s input budget)."""
+    return int(scheduler.scheduler_config.max_num_batched_tokens)
+
+
+def chunks_follow_request_counts(scheduler: SchedulerHost) -> bool:
+    """Whether ``schedule()`` sizes prefill chunks by how many requests run
+    and wait (``--long-prefill-token-threshold``)."""
+    return bool(scheduler.scheduler_config.long_prefill_token_threshold)
 
 
 def num_kv_cache_groups(scheduler: SchedulerHost) -> int:
@@ -314,6 +329,14 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
      "_inflight_prefills"),
     (SCHEDULER_MODULE, "Scheduler._free_request", "self.finished_req_ids.add(",
      "Scheduler._free_request records finished_req_ids"),
+    # A ranked step that sets its deferred requests aside (set_aside.py)
+    # checks the step's input budget and how prefill chunks are sized.
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "self.scheduler_config.max_num_batched_tokens",
+     "Scheduler.schedule's input budget is max_num_batched_tokens"),
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     "self.scheduler_config.long_prefill_token_threshold",
+     "Scheduler.schedule sizes prefill chunks by long_prefill_token_threshold"),
     # A kept batch is served whole (scheduling/shortcuts.py).
     (SCHEDULER_MODULE, "Scheduler.schedule", "self.current_step += 1",
      "Scheduler.schedule counts current_step up first"),

@@ -202,7 +202,11 @@ def fair_results(runs: list[dict], engine_ratio: float) -> dict[str, Any]:
             "rounds": 10,
             "subjects": {
                 "stock": {"step_ms": 10.0, "ratio": 1.0},
-                "U=256": {"step_ms": 18.0, "ratio": 1.8},
+                "U=256": {
+                    "step_ms": 18.0,
+                    "ratio": 1.8,
+                    "plugin_calls_per_step": 9271.0,
+                },
             },
         },
     }
@@ -222,7 +226,8 @@ def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
     assert fair_shares.headlines(met) == {"saturated_engine": 0.99}
     text = fair_shares.section(met, tmp_path, tmp_path)
     assert "stock 46 times, ours 229" in text
-    assert "| U=256 | 18.00 | 1.80 |" in text
+    assert "| U=256 | 18.00 | 1.80 | 9,271 |" in text
+    assert "| stock | 10.00 | 1.00 | - |" in text  # results before the count
     assert "streams kept busy" in text
 
 

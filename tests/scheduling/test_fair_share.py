@@ -389,20 +389,23 @@ def test_keeping_the_batch_serves_what_ranking_every_step_serves(
     for step, (a, b) in enumerate(zip(keeping.per_step, ranking.per_step, strict=True)):
         assert a == b, f"step {step}: kept {a}, ranked {b}"
     assert keeping.preempted == ranking.preempted
+    if is_async:
+        # Late outputs keep no batch: a kept step leaves the running list in
+        # another order than ranking does, which decides who takes the slot
+        # of a pick vLLM passes over later (shortcuts.py).
+        assert keeping.kept == 0, keeping
+        return
     # Measured: 79-99 % of the steps with two users, 31-68 % with three to
     # eight (prefills and turns ending at different steps re-rank).
     assert keeping.kept >= steps * (0.66 if len(tenants) == 2 else 0.25), keeping
-    # Asynchronous scheduling never leaves vLLM's hook in place in a kept
-    # step (a step's output comes late); synchronous does in most of them
+    # Synchronous scheduling leaves vLLM's hook in place in most kept steps
     # while KV blocks are ample, setting running requests aside in section
     # 9's load.
-    if is_async:
-        assert keeping.vllm_hook == 0
-    elif scenario == "tight-kv":
+    if scenario == "tight-kv":
         assert keeping.preempted > 0
     else:
         assert keeping.vllm_hook >= keeping.kept * 0.5, keeping
-    if scenario == "replaced" and not is_async:
+    if scenario == "replaced":
         assert keeping.set_aside >= keeping.kept * 0.5, keeping
 
 

@@ -21,7 +21,8 @@ Cost per step: O(users served + backlogged users), never O(resident requests).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from itertools import repeat
 
 # A request served in the last step keeps its active slot (its turn) while
 # its user is within this many tokens (over its weight) of the user owed
@@ -88,6 +89,15 @@ class FairShare:
         own = self._service.get(user)
         return self.level if own is None or own < self.level else own
 
+    def services(self, users: Iterable[str]) -> list[float]:
+        """``service`` of each of ``users`` (no Python call each)."""
+        get, level = self._service.get, self.level
+        return [own if (own := get(user, level)) > level else level for user in users]
+
+    def weights_of(self, users: Iterable[str]) -> list[float]:
+        """``weight`` of each of ``users`` (no Python call each)."""
+        return list(map(self.weights.get, users, repeat(DEFAULT_WEIGHT)))
+
     def credit(self, user: str) -> float:
         return self._credit.get(user, 0.0)
 
@@ -140,7 +150,12 @@ class FairShare:
         if capped:
             users = [user for user in users if user not in capped]
         if users:
-            self.level = max(self.level, min(map(self.service, users)))
+            # min(map(self.service, users)), without a Python call per user:
+            # a user without a counter reads as the level.
+            level = self.level
+            lowest = min(map(self._service.get, users, repeat(level)))
+            if lowest > level:
+                self.level = lowest
 
     def credit_floors(
         self,

@@ -46,7 +46,7 @@ class KeptBatch:
     # What ``still_first`` answered when the last step was settled.
     ranks_first: bool = False
     # Free KV blocks a kept step needs to set the running requests beyond
-    # the batch aside (None: it never does; the policy's _set_aside_unkept).
+    # the batch aside (None: it never does; set_aside.for_kept_batch).
     kv_blocks_needed: int | None = None
 
     def still_first(

@@ -21,7 +21,7 @@ The functions read and write the policy's long-lived state and the step.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -55,19 +55,31 @@ def crowded(policy: OutputRatePolicy) -> bool:
     return waiting > free_active and len(policy.demand.unfinished) > 1
 
 
-def plan_contested(policy: OutputRatePolicy, step: Step, crowded: bool) -> None:
-    """Rules 1 and 2 of the module docstring, for ``step``."""
+def plan_contested(
+    policy: OutputRatePolicy,
+    step: Step,
+    crowded: bool,
+    *,
+    order: Callable[[OutputRatePolicy, Step], None] | None = None,
+    resident: Mapping[str, int] | None = None,
+) -> None:
+    """Rules 1 and 2 of the module docstring, for ``step``. A shortcut may
+    stand in for ``order_running`` (``order``, ordering the same) and pass
+    the running requests per user (``resident``, as counted from
+    ``running``)."""
     host = policy.host
     if len(host.requests) > len(host.running):
-        _plan_residency(policy, step)
+        _plan_residency(policy, step, resident)
     if policy.order_running or crowded:
-        _order_running(policy, step)
+        (order or order_running)(policy, step)
 
 
 # ----- resident slots and KV blocks (residency.py) ---------------------------
 
 
-def _plan_residency(policy: OutputRatePolicy, step: Step) -> None:
+def _plan_residency(
+    policy: OutputRatePolicy, step: Step, resident: Mapping[str, int] | None
+) -> None:
     host = policy.host
     unfinished = policy.demand.unfinished
     slots = policy.residency.plan(
@@ -77,6 +89,7 @@ def _plan_residency(policy: OutputRatePolicy, step: Step) -> None:
         step.budget.reserved,
         policy.feed_cap,
         host.max_num_running_reqs,
+        resident=resident,
     )
     if slots.outstanding:
         _reclaim(policy, slots)
@@ -88,6 +101,8 @@ def _plan_residency(policy: OutputRatePolicy, step: Step) -> None:
 
 def _reclaim(policy: OutputRatePolicy, slots: StepSlots) -> None:
     """Residency rule 1: preempt throttled residents for the claimants."""
+    if not slots.may_give():
+        return  # nobody could be taken: no need to look at the claims
     host = policy.host
     priority = host.policy == SchedulingPolicy.PRIORITY
     claimants = len(slots.wanted)
@@ -120,7 +135,8 @@ def _reclaim(policy: OutputRatePolicy, slots: StepSlots) -> None:
 # ----- the running list -------------------------------------------------------
 
 
-def _order_running(policy: OutputRatePolicy, step: Step) -> None:
+def order_running(policy: OutputRatePolicy, step: Step) -> None:
+    """Rule 2 of the module docstring: order ``host.running`` for ``step``."""
     host, budget = policy.host, step.budget
     ready = [r for r in host.running if budget.has_budget(user_of(r))]
     throttled = [r for r in host.running if user_of(r) in budget.refused_users]

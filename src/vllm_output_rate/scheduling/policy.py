@@ -196,7 +196,7 @@ class OutputRatePolicy(OperatorView):
             self.active_cap,
             self.active_cap,
         )
-        if not self.shortcuts.plan(self, step) and contested:
+        if not self.shortcuts.plan(self, step, crowded) and contested:
             planning.plan_contested(self, step, crowded)
         return step
 

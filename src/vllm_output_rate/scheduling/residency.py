@@ -65,15 +65,18 @@ class Residency:
         reserved: Mapping[str, int],
         feed_cap: Callable[[str], int],
         max_resident: int,
+        *,
+        resident: Mapping[str, int] | None = None,
     ) -> StepSlots:
         """Count the step's residency and note who claims (rules 1 and 2).
 
         ``reserved`` maps users to the tokens they may sample in the step;
         ``feed_cap(user)`` is how many resident requests the user's rate can
         feed (rule 2's cap under contention); ``max_resident`` is
-        ``--max-num-seqs``.
+        ``--max-num-seqs``; ``resident``, if given, is ``running`` counted
+        per user.
         """
-        resident = Counter(map(user_of, running))
+        resident = Counter(resident or map(user_of, running))
         wanted = {}
         for user, count in unfinished.items():
             waiting = count - resident[user]

@@ -4,13 +4,18 @@ Each layer changes where the time goes, never what is decided:
 ``tests/scheduling/test_shortcuts.py`` runs randomized workloads with and
 without them and asserts the same dispatches and charges, step by step.
 ``ReferenceStep`` is the plain path (``"shortcuts": false`` in the plugin's
-settings); ``Shortcuts`` adds three layers:
+settings); ``Shortcuts`` adds five layers:
 
 * **vLLM's own hook in uncontested steps**, whose tokens are then charged
   from the step's output;
 * **the kept batch** (``kept_batch.py``): a contested step on a saturated
-  engine serves the last ranking's batch again without ranking, with the
-  other running requests set aside when it can schedule nothing else;
+  engine serves the last ranking's batch again without ranking;
+* **ranking by rotations** (``rotations.py``): a contested step ranks from
+  each user's requests kept in rotation between steps, at a cost that
+  follows what changed, where ``share_slots`` would sort them all;
+* **the batch alone in vLLM's loop** (``set_aside.py``): when a contested
+  step can schedule nothing but its batch, the other running requests are
+  set aside for vLLM's step and its waiting scan ends early;
 * **settling beside the model**: ``end_step`` only notes the step; it is
   settled when vLLM asks for the grammar bitmask, after handing the step to
   the model worker, or by whichever entry point comes first.
@@ -21,35 +26,36 @@ How each works and why it pays: docs/architecture.md, "Shortcuts".
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
+from itertools import filterfalse, repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.request import Request
 
-from vllm_output_rate.scheduling import kv_room
+from vllm_output_rate.scheduling import kv_room, planning, set_aside
 from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, last_served_of, user_of
 from vllm_output_rate.scheduling.kept_batch import KeptBatch
-from vllm_output_rate.scheduling.planning import NOTHING
+from vllm_output_rate.scheduling.rotations import Rotations
 from vllm_output_rate.scheduling.step import StepMode
-from vllm_output_rate.seams import (
-    inflight_prefills,
-    num_free_kv_blocks,
-    num_kv_cache_groups,
-    passed_over_next_step,
-)
+from vllm_output_rate.seams import inflight_prefills, num_kv_cache_groups
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.policy import OutputRatePolicy
     from vllm_output_rate.scheduling.step import Step
 
 Charges = tuple[Mapping[str, int], Mapping[str, int]]
+_is_prefill_chunk = attrgetter("is_prefill_chunk")
+_request_id = attrgetter("request_id")
 
 
 class StepLayers(Protocol):
     # Whether ``end_step`` leaves the settling to a later entry point.
     settles_beside_model: bool
 
-    def plan(self, policy: OutputRatePolicy, step: Step) -> bool:
+    def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         """Plan ``step`` in place of the reference, if a layer can; False
         leaves it to the reference (``planning.py``)."""
         ...
@@ -71,7 +77,7 @@ class ReferenceStep:
 
     settles_beside_model = False
 
-    def plan(self, policy: OutputRatePolicy, step: Step) -> bool:
+    def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         return False
 
     def charges(self, policy: OutputRatePolicy, step: Step) -> Charges | None:
@@ -91,11 +97,16 @@ class Shortcuts:
         self._logger = logger
         # The batch the next step may keep (None: rank again).
         self.kept: KeptBatch | None = None
+        # Each user's requests in rotation.
+        self.rotations: Rotations[Request] = Rotations(
+            user_of, last_served_of, _request_id
+        )
 
     def forget(self) -> None:
         self.kept = None
+        self.rotations.forget()
 
-    def plan(self, policy: OutputRatePolicy, step: Step) -> bool:
+    def plan(self, policy: OutputRatePolicy, step: Step, crowded: bool) -> bool:
         if step.mode is StepMode.UNCONTESTED:
             self.kept = None
             step.vllm_hook = True
@@ -103,13 +114,26 @@ class Shortcuts:
         kept = self.kept
         if kept is None or not self._may_keep(policy, step, kept):
             self.kept = None
-            return False
+            host = policy.host
+            resumed = self.rotations.resume(
+                step.number, host.running, host.finished_req_ids
+            )
+            planning.plan_contested(
+                policy,
+                step,
+                crowded,
+                order=self._order_running,
+                resident=self.rotations.resident() if resumed else None,
+            )
+            set_aside.end_scan_with_grants(policy, step)
+            step.vllm_hook = set_aside.for_ranked_batch(policy, step)
+            return True
         step.mode = StepMode.KEPT
         # Every active slot stays with its request: no waiting request may
         # take one, so vLLM's waiting scan ends at once.
         step.close_admission()
         step.kept_waiting_users = kept.waiting_users
-        step.vllm_hook = self._set_aside_unkept(policy, step, kept)
+        step.vllm_hook = set_aside.for_kept_batch(policy, step, kept)
         return True
 
     def _may_keep(self, policy: OutputRatePolicy, step: Step, kept: KeptBatch) -> bool:
@@ -123,46 +147,41 @@ class Shortcuts:
         floors = policy.fair.floors
         if floors and not floors.keys().isdisjoint(policy.demand.unfinished):
             return False  # floor credit grows with time: rank again
-        if not kept.ranks_first:
-            return False
-        # With late outputs vLLM passes over a request at its last token
-        # (and, with pipeline parallelism, one not yet eligible): its active
-        # slot would go to the next running request, not the next by rank.
-        return not policy.late_outputs or not any(
-            passed_over_next_step(host, request)
-            for _, requests, _ in kept.last_picks.values()
-            for request in requests
-        )
+        return kept.ranks_first
 
-    def _set_aside_unkept(
-        self, policy: OutputRatePolicy, step: Step, kept: KeptBatch
-    ) -> bool:
-        """Whether vLLM's own hook can stand in for ours in this kept step.
-
-        It can when the step can schedule nothing but the kept batch: the
-        batch is the first ``active_cap`` running requests (each decodes one
-        token, so our hook would have made them the active ones and deferred
-        the rest), and the rest are set aside, off ``running`` for vLLM's
-        step (``Step.undo`` puts them back behind the batch). Not when a
-        chunk's charge depends on its drafts or a step's output comes late
-        (``kv_blocks_needed`` is None then), not while a prefill continues
-        (its chunk may not sample), and only when every request of the batch
-        finds a free KV block for its token in each KV cache group (vLLM
-        would preempt the last request of ``running``: with the rest set
-        aside, one of the batch).
-        """
-        host = policy.host
+    def _order_running(self, policy: OutputRatePolicy, step: Step) -> None:
+        """``planning.order_running``, by the rotations where they rank the
+        same: every user covered (no request goes last for lack of budget),
+        FCFS, no floor (its credit grows with time), more running and
+        claimed requests than active slots (``ordering.share_slots``)."""
+        host, fair, slots = policy.host, policy.fair, step.slots
+        waiting = slots.wanted if slots is not None else planning.NOTHING
+        active = min(step.active_cap, host.max_num_running_reqs)
         if (
-            kept.kv_blocks_needed is None
-            or inflight_prefills(host)
-            or num_free_kv_blocks(host) < kept.kv_blocks_needed
+            not step.budget.covers_demand
+            or host.policy != SchedulingPolicy.FCFS
+            or (
+                fair.floors
+                and not fair.floors.keys().isdisjoint(policy.demand.unfinished)
+            )
+            or len(host.running) + sum(waiting.values()) <= active
         ):
-            return False
-        running, cap = host.running, step.active_cap
-        if len(running) > cap:
-            step.set_aside = running[cap:]
-            del running[cap:]
-        return True
+            planning.order_running(policy, step)
+            return
+        ranking = step.ranking = self.rotations.rank(
+            step=step.number,
+            running=host.running,
+            waiting=waiting,
+            slots=active,
+            room=slots.free if slots is not None else 0,
+            fair=fair,
+            user_last_served=policy.user_last_served,
+        )
+        if slots is not None and waiting:
+            slots.granted = ranking.granted
+            step.running_cap = active - sum(ranking.granted.values())
+        host.running[:] = ranking.order
+        step.rotated = True
 
     def charges(self, policy: OutputRatePolicy, step: Step) -> Charges | None:
         if not step.vllm_hook:
@@ -182,19 +201,40 @@ class Shortcuts:
             self._logger.warning(
                 "A step dispatched more tokens than it reserved: %s", served
             )
-        if step.mode is StepMode.KEPT:
-            # What our hook would have noted: each request of the batch was
-            # served (it sampled), the ones set aside were deferred.
+        if step.mode is not StepMode.UNCONTESTED:
+            # What our hook would have noted: each request that sampled was
+            # served (its turn), each of the batch took an active slot, the
+            # ones set aside were deferred.
             scheduled = step.output.num_scheduled_tokens
-            requests = host.requests
-            for request_id in scheduled:
-                setattr(requests[request_id], LAST_SERVED_ATTR, step.number)
-            step.active = len(scheduled)
-            step.deferred_users.update(map(user_of, step.set_aside))
-        return served, NOTHING
+            sampled: Iterable[Request] = map(host.requests.__getitem__, scheduled)
+            if inflight_prefills(host):
+                sampled = filterfalse(_is_prefill_chunk, sampled)
+            deque(
+                map(setattr, sampled, repeat(LAST_SERVED_ATTR), repeat(step.number)), 0
+            )
+            step.active = len(scheduled) - step.admitted
+            if step.rotated:
+                step.deferred_users.update(self.rotations.deferred_users)
+            else:
+                step.deferred_users.update(map(user_of, step.set_aside))
+        return served, planning.NOTHING
 
     def settled(self, policy: OutputRatePolicy, step: Step) -> None:
         self.kept = self._batch_to_keep(policy, step)
+        output = step.output
+        assert output is not None
+        if step.rotated or step.mode is StepMode.KEPT:
+            host = policy.host
+            self.rotations.settled(
+                step.number,
+                host.running,
+                output.num_scheduled_tokens,
+                preempted=bool(output.preempted_req_ids),
+                sampled_all=not inflight_prefills(host),
+                set_aside=bool(step.set_aside),
+            )
+        else:
+            self.rotations.forget()
 
     def _batch_to_keep(self, policy: OutputRatePolicy, step: Step) -> KeptBatch | None:
         """The batch the next step may keep: this step's, if it was ranked
@@ -207,6 +247,16 @@ class Shortcuts:
         )
         assert output is not None
         kept = self.kept if step.mode is StepMode.KEPT else None
+        if kept is None and step.rotated and not self.rotations.detailed:
+            return None  # many users: ranking by the rotations costs what keeping does
+        if policy.late_outputs:
+            # vLLM passes over a request at its last token (and, with
+            # pipeline parallelism, one not yet eligible): its active slot
+            # goes to the next running request, the first deferred one. A
+            # kept step leaves the running list in the last ranking's order,
+            # not in the order ranking afresh leaves, so a later step passing
+            # a pick over would fill its slot with another request.
+            return None
         if (
             (kept is None and ranking is None)
             or host.policy == SchedulingPolicy.PRIORITY

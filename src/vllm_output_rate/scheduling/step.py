@@ -79,14 +79,22 @@ class Step:
     deferred_users: set[str] = field(default_factory=set)
     # Residency accounts (a contested step in which requests wait).
     slots: StepSlots | None = None
-    # vLLM's waiting scan is closed for the step.
+    # vLLM's waiting scan is closed for the step, or will be once the slots
+    # granted to waiting requests are taken (a shortcut's).
     admission_closed: bool = False
-    # How a contested step handed out its active slots (ordering.share_slots).
+    close_after_grants: bool = False
+    # How a contested step handed out its active slots (ordering.share_slots),
+    # and whether the rotations ranked it (a shortcut, rotations.py).
     ranking: SharedSlots[Request] | None = None
+    rotated: bool = False
     # Claimants a kept step left waiting (its batch's ranking's).
     kept_waiting_users: frozenset[str] | None = None
-    # Running requests off vLLM's list for the step (a kept step's).
+    # Running requests off vLLM's list for the step (a shortcut's), put back
+    # after the first ``batch`` (the running requests vLLM's step saw), and
+    # how many vLLM admitted behind those.
     set_aside: list[Request] = field(default_factory=list)
+    batch: int = 0
+    admitted: int = 0
     # Arrival times changed for the step (priority scheduling).
     moved_arrivals: dict[Request, float] = field(default_factory=dict)
     # What vLLM scheduled, and the clock when it had.
@@ -179,6 +187,8 @@ class Step:
             admit = self._may_prefill_ahead(request)
         if admit and slots is not None:
             slots.admitted(user)
+            if self.close_after_grants and not slots.grants_left():
+                self.close_admission()
         return admit
 
     def _may_prefill_ahead(self, request: Request) -> bool:
@@ -218,7 +228,10 @@ class Step:
         host = self.rules.host
         host.max_num_active_reqs = self.active_cap
         if self.set_aside:
-            host.running.extend(self.set_aside)
+            # Where they were: behind the batch, ahead of the admissions.
+            running, batch = host.running, self.batch
+            self.admitted = max(0, len(running) - batch)
+            running[batch:batch] = self.set_aside
         if self.moved_arrivals:
             self._restore_arrivals()
 

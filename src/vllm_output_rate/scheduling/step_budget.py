@@ -20,6 +20,7 @@ asked again in the same step.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import itemgetter
 
 from vllm_output_rate.budget import Budget
 
@@ -120,15 +121,22 @@ class StepBudget:
         out of token budget). Returns the earliest clock reading at which a
         user refused in this step may sample again, or None if none was.
         """
-        if undispatched or any(self._remaining.values()):
+        if (undispatched or any(self._remaining.values())) and not (
+            # The refunds would change nothing (users far below their
+            # limits): skip building them, one per user with tokens left.
+            undispatched.keys() <= self._reserved.keys()
+            and self.limiter.refunds_absorbed(self._reserved.keys())
+        ):
             remaining = self._remaining
-            self.limiter.refund_many(
-                {
+            if undispatched:
+                refunds = {
                     user: min(unused, reserved)
                     for user, reserved in self._reserved.items()
                     if (unused := remaining[user] + undispatched.get(user, 0))
                 }
-            )
+            else:  # what is left of each reservation (never more than it)
+                refunds = dict(filter(itemgetter(1), remaining.items()))
+            self.limiter.refund_many(refunds)
         if not self.refused_users:
             return None
         return min(self.limiter.ready_at_ns(user) for user in self.refused_users)

@@ -72,6 +72,19 @@ class StepSlots:
             self.wanted[user] = wanted - 1
             self.outstanding -= 1
 
+    def may_give(self) -> bool:
+        """Whether some user holds resident requests its budget cannot feed
+        and claims none: only those can be taken back (rule 1)."""
+        reserved, wanted = self.reserved, self.wanted
+        return any(
+            count > reserved.get(user, 0) and not wanted.get(user)
+            for user, count in self.resident.items()
+        )
+
+    def grants_left(self) -> int:
+        """Active slots granted by rank and not yet taken."""
+        return sum(self.granted.values()) if self.granted else 0
+
     def left_waiting(self) -> list[str]:
         """Claimants still waiting for a slot (after the step's admissions)."""
         return [user for user, n in self.wanted.items() if n]
