@@ -38,19 +38,10 @@ from vllm_output_rate.admission_caps import (
     validate_cap,
 )
 from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY, DEFAULT_FLAG, FILE_FLAG
+from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
 from vllm_output_rate.validation import OutputRateConfigError
 
 HTTP_PLUGIN = "output_rate_http"
-
-
-def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse_arg(text: str) -> Any:
-        try:
-            return parse(text)
-        except OutputRateConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse_arg
 
 
 def _whole(flag: str) -> Callable[[str], int]:
@@ -68,12 +59,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add the caps' flags to the plugin's group (once)."""
     if DEFAULT_REQUESTS_FLAG in parser._option_string_actions:
         return
-    group = next(
-        (g for g in parser._action_groups if g.title == "OutputRateLimit"), parser
-    )
+    group = plugin_group(parser)
     group.add_argument(
         DEFAULT_REQUESTS_FLAG,
-        type=_arg(_whole(DEFAULT_REQUESTS_FLAG)),
+        type=config_arg(_whole(DEFAULT_REQUESTS_FLAG)),
         default=None,
         metavar="N",
         help="Admission: each user may have at most N requests in flight "
@@ -83,14 +72,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         REQUESTS_FLAG,
-        type=_arg(lambda text: parse_user_caps(text, REQUESTS_FLAG)),
+        type=config_arg(lambda text: parse_user_caps(text, REQUESTS_FLAG)),
         default=None,
         metavar="JSON",
         help="Admission: per-user caps on requests in flight, e.g. '{\"batch\": 4}'.",
     )
     group.add_argument(
         DEFAULT_TOKENS_FLAG,
-        type=_arg(_whole(DEFAULT_TOKENS_FLAG)),
+        type=config_arg(_whole(DEFAULT_TOKENS_FLAG)),
         default=None,
         metavar="N",
         help="Admission: once a user's requests waiting for their first token "
@@ -99,7 +88,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         TOKENS_FLAG,
-        type=_arg(lambda text: parse_user_caps(text, TOKENS_FLAG)),
+        type=config_arg(lambda text: parse_user_caps(text, TOKENS_FLAG)),
         default=None,
         metavar="JSON",
         help="Admission: per-user caps on queued prompt tokens, e.g. "

@@ -51,16 +51,28 @@ def _rate_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _parsed_with(parse: Callable[[str, str], T], flag: str) -> Callable[[str], T]:
-    """An argparse ``type`` from one of config's parsers (errors name ``flag``)."""
+def config_arg(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` from a parser that raises OutputRateConfigError
+    (argparse then names the flag and exits with the message)."""
 
     def parse_arg(text: str) -> T:
         try:
-            return parse(text, flag)
+            return parse(text)
         except OutputRateConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse_arg
+
+
+def plugin_group(parser: argparse.ArgumentParser) -> Any:
+    """The plugin's argument group (``add_cli_args`` made it), else the
+    parser itself: where the other flag modules add theirs."""
+    return next((g for g in parser._action_groups if g.title == GROUP_TITLE), parser)
+
+
+def _parsed_with(parse: Callable[[str, str], T], flag: str) -> Callable[[str], T]:
+    """An argparse ``type`` from one of config's parsers (errors name ``flag``)."""
+    return config_arg(lambda text: parse(text, flag))
 
 
 _users_arg = _parsed_with(parse_user_rates, USERS_FLAG)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Callable
-from typing import TypeVar
 
 from vllm_output_rate.config import API_KEYS_FLAG, DEFAULT_FLAG
 from vllm_output_rate.identity import BODY_FIELDS
+from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
 from vllm_output_rate.validation import OutputRateConfigError
 
 USER_HEADER_FLAG = "--output-rate-user-header"
@@ -27,7 +26,6 @@ USER_FIELDS_FLAG = "--output-rate-user-fields"
 CACHE_SALT_FLAG = "--output-rate-cache-salt"
 CACHE_SALT_SCOPES = ("user",)
 HTTP_PLUGIN = "output_rate_http"
-T = TypeVar("T")
 # RFC 9110 field name characters.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # Headers that carry something else: credentials, framing, the host.
@@ -74,26 +72,14 @@ def parse_body_fields(text: str) -> tuple[str, ...]:
     return fields
 
 
-def _arg(parse: Callable[[str], T]) -> Callable[[str], T]:
-    def parse_arg(text: str) -> T:
-        try:
-            return parse(text)
-        except OutputRateConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse_arg
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add the identity flags to the plugin's group (once)."""
     if USER_HEADER_FLAG in parser._option_string_actions:
         return
-    group = next(
-        (g for g in parser._action_groups if g.title == "OutputRateLimit"), parser
-    )
+    group = plugin_group(parser)
     group.add_argument(
         USER_HEADER_FLAG,
-        type=_arg(parse_header_name),
+        type=config_arg(parse_header_name),
         default=None,
         metavar="NAME",
         help="Trusted gateway: the request header that names the end user, "
@@ -103,7 +89,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         USER_FIELDS_FLAG,
-        type=_arg(parse_body_fields),
+        type=config_arg(parse_body_fields),
         default=None,
         metavar="FIELDS",
         help="Body fields that may name the user when the header does not, "
