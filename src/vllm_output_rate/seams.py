@@ -11,8 +11,8 @@ what this module exports:
   ``API_KEY_GUARD``: what the plugin wraps, overrides, calls or reads, with
   the parameters it relies on;
 * ``SOURCE_FACTS``: what vLLM's code must still do for the policy to be right;
-* thin accessors (``preempt``, ``num_free_kv_blocks``,
-  ``passed_over_next_step``, ...): how the policy reaches vLLM's privates.
+* thin accessors (``preempt``, ``num_free_kv_blocks``, ...): how the
+  policy reaches vLLM's privates.
 
 ``seams_check.py`` checks these lists against the installed vLLM (at
 start-up) or a source tree (``python -m vllm_output_rate.seams DIR``). Why
@@ -76,7 +76,6 @@ class SchedulerHost:
     max_num_scheduled_tokens: int  # the token budget of one step
     max_model_len: int
     scheduler_reserve_full_isl: bool  # admission needs the whole prompt's KV
-    current_step: int  # counted by schedule(), first thing
 
     # The methods the subclasses override (the bodies are vLLM's).
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -141,7 +140,6 @@ REQUEST_FIELDS = (
     "lora_request",
     "mm_features",
     "num_prompt_tokens",
-    "next_decode_eligible_step",
     "client_index",  # admission: which API server sent it
 )
 
@@ -163,23 +161,6 @@ def preempt(scheduler: SchedulerHost, request: Request) -> None:
 def num_free_kv_blocks(scheduler: SchedulerHost) -> int:
     """KV blocks vLLM can allocate now (free or evictable cached ones)."""
     return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
-
-
-def passed_over_next_step(scheduler: SchedulerHost, request: Request) -> bool:
-    """Whether vLLM's running loop will pass a running ``request`` over in
-    the next ``schedule()`` before sizing a chunk for it (so the hook never
-    sees it): with asynchronous scheduling once its last token is scheduled
-    (``num_output_placeholders``), with pipeline parallelism until its next
-    decode is eligible. Call it before ``schedule()``, which first counts
-    ``current_step`` up."""
-    return bool(
-        (
-            request.num_output_placeholders > 0
-            and request.num_computed_tokens + 2 - request.num_output_placeholders
-            >= request.num_prompt_tokens + request.max_tokens
-        )
-        or scheduler.current_step + 1 < request.next_decode_eligible_step
-    )
 
 
 def input_token_budget(scheduler: SchedulerHost) -> int:
@@ -337,15 +318,6 @@ SOURCE_FACTS: list[tuple[str, str, str, str]] = [
     (SCHEDULER_MODULE, "Scheduler.schedule",
      "self.scheduler_config.long_prefill_token_threshold",
      "Scheduler.schedule sizes prefill chunks by long_prefill_token_threshold"),
-    # A kept batch is served whole (scheduling/shortcuts.py).
-    (SCHEDULER_MODULE, "Scheduler.schedule", "self.current_step += 1",
-     "Scheduler.schedule counts current_step up first"),
-    (SCHEDULER_MODULE, "Scheduler.schedule",
-     "request.num_computed_tokens + 2 - request.num_output_placeholders",
-     "Scheduler.schedule passes over a request whose last token is scheduled"),
-    (SCHEDULER_MODULE, "Scheduler.schedule",
-     "self.current_step < request.next_decode_eligible_step",
-     "Scheduler.schedule passes over a request not yet eligible to decode"),
     # Lock-out rules (scheduling/residency.py).
     (SCHEDULER_MODULE, "Scheduler.schedule",
      "if num_running >= self.max_num_active_reqs:",
