@@ -25,9 +25,11 @@ def test_resident_slots_scene_light_user_better_hog_at_its_limit(
     stock, limited = scene["stock"]["users"], scene["limited"]["users"]
     for users in (stock, limited):
         assert all(not u["outcomes"]["failed"] for u in users.values())
-    # The scarcity is strong: on stock vLLM the light user waits for one of
-    # the hog's slots (about a second here), with limits it gets one at once.
-    assert limited["light"]["ttft_engine_s"] < stock["light"]["ttft_engine_s"] / 3
-    assert limited["hog"]["bound_held"] is True
-    assert limited["hog"]["rate_engine"] >= 0.9 * limited["hog"]["limit"]
+    # The scarcity is strong: on stock vLLM the light user waits behind the
+    # hog's queued requests (a second or two here), with limits it gets a
+    # slot at once.
+    light_ttft = (stock["light"]["ttft_engine_s"], limited["light"]["ttft_engine_s"])
+    assert light_ttft[1] < light_ttft[0] / 3, out
+    assert limited["hog"]["bound_held"] is True, out
+    assert limited["hog"]["rate_engine"] >= 0.9 * limited["hog"]["limit"], out
     assert "the light user came out better with limits" in out

@@ -118,11 +118,13 @@ SCENES: tuple[Scene, ...] = (
     Scene(
         key="resident-slots",
         title="Resident slots scarce",
-        # 8 resident slots for the hog's 16 streams: it holds every slot.
+        # 8 resident slots for the hog's 24 streams: it holds every slot and
+        # keeps 16 requests waiting, so that the slots stay taken even when
+        # its client is slow to send the next request (a busy API server).
         server_args=("--max-num-seqs", "8"),
         users=(
             LIGHT,
-            DemoUser("hog", "throttled", streams=16, max_tokens=40, limit=5),
+            DemoUser("hog", "throttled", streams=24, max_tokens=40, limit=5),
         ),
     ),
 )
