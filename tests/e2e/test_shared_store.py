@@ -324,7 +324,7 @@ def test_both_servers_keep_serving_while_the_store_is_down(
     # Per stream: a 10 tok/s with leases, 0 while paused (2 s), 20 / 3 at
     # the fallback share; b 10 with leases, 20 at the fallback share.
     t0, results = load_both(
-        tiny_model_path, a, b, 12, u_tokens=(100, 140), during=outage
+        tiny_model_path, a, b, 13, u_tokens=(100, 140), during=outage
     )
     for result in results:
         assert result is not None and result.ok, result and result.error_summary()
@@ -333,7 +333,7 @@ def test_both_servers_keep_serving_while_the_store_is_down(
         log = url.log_text()
         assert "Output rate store unreachable" in log
         assert "reachable again" in log
-    facts = timeline(logs, t0, t0 + 14 * S)
+    facts = timeline(logs, t0, t0 + 15 * S)
     # u is shared: held back until the engines give up on the store (a
     # lease period, 2 s), then each serves it at limit / 2.
     window = (marks["down"] + 3 * S, marks["up"])
@@ -350,9 +350,11 @@ def test_both_servers_keep_serving_while_the_store_is_down(
         assert count <= LIMIT / 2 * (seconds + 0.1) + 1, (count, seconds, facts)
         expected = LIMIT / 2 * (seconds - stalled_s(witness, *window))
         assert count >= 0.8 * expected, (count, expected, facts)
-    # Back on leases: the limit again (the bound is checked below).
-    end = t0 + 12 * S
-    back = (marks["up"] + 2 * S, end)
+    # Back on leases: the limit again (the bound is checked below), once
+    # the fallback shares held for a lease period (2 s) after the first
+    # answer are lifted.
+    end = t0 + 13 * S
+    back = (marks["up"] + 5 * S // 2, end)
     on_a, on_b = dispatched(logs, "u", *back)
     seconds = (back[1] - back[0]) / S
     stall_a = stalled_s(dispatched(logs, "witness-a", *back)[0], *back)

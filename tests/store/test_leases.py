@@ -196,6 +196,36 @@ def test_a_store_that_dies_and_returns(tmp_path) -> None:
             engine.close()
 
 
+def test_a_store_back_for_one_engine_first_keeps_the_bound(tmp_path) -> None:
+    """Seen end to end: the store came back and answered engine a first.
+    Restarted, it knew nothing of b, still serving its fallback share, and
+    granted a the whole limit. Until a lease period has passed, a user
+    served at its fallback share keeps at most that share."""
+    clock = FakeClock(1_000 * NS_PER_SECOND)
+    with RedisServer() as server:
+        settings_ = StoreSettings(url=server.url, lease_s=1.0, timeout_s=0.2)
+        engines = [SimEngine.create(f"e{i}", settings_, clock, 60.0) for i in range(2)]
+        for engine in engines:
+            engine.set_demand("u", 2)
+        run(engines, clock, 2)
+        server.kill()
+        run(engines, clock, 2)
+        assert all(engine.limiter.table.degraded for engine in engines)
+        server.start()
+        failing_rounds(engines[1], 4)  # b's answers come 0.4 s after a's
+        back = clock.now_ns
+        run(engines, clock, 0.6)
+        assert not any(engine.limiter.table.degraded for engine in engines)
+        a, b = delivered(engines, "u", back + 100 * MS, clock.now_ns)
+        assert a <= 30 * 0.5 + 2, (a, b)  # a at its fallback share, not more
+        run(engines, clock, 3)
+        assert_global_bound(merged(engines, "u"), 60.0, 2)
+        a, b = delivered(engines, "u", clock.now_ns - NS_PER_SECOND, clock.now_ns)
+        assert a + b >= 0.97 * 60 - 2, (a, b)  # then leases, the whole limit
+        for engine in engines:
+            engine.close()
+
+
 def test_a_limit_changed_on_one_engine_reaches_the_other(redis_server, store_prefix):
     clock = FakeClock(1_000 * NS_PER_SECOND)
     engines = make_engines(redis_server.url, store_prefix, 2, 50.0, clock)

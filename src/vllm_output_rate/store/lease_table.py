@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.store.messages import UNBOUNDED, Exchange, LeaseAsk, Round
+from vllm_output_rate.store.resume import ResumeCaps
 from vllm_output_rate.store.settings import StoreSettings
 
 NS = 1_000_000_000
@@ -127,6 +128,7 @@ class LeaseTable:
         self.awaiting: set[str] = set()
         self.demand: Mapping[str, int] = {}
         self.degraded = False  # serving without the store
+        self.resume_caps = ResumeCaps()  # after it, for a lease period
         # Sent time of the last round the store answered (at first: our
         # start). Rounds fail for a moment on a loaded machine; only after a
         # whole lease period without an answer does the engine fall back.
@@ -275,12 +277,17 @@ class LeaseTable:
 
     def apply_answer(self, round_: Round, exchange: Exchange, now: int) -> Answer:
         """The leases the store granted in answer to ``round_``."""
-        self.engines_seen = max(1, exchange.engines)
         resumed = self.degraded
         if resumed:
             self.degraded = False
+            # Every user with demand was served at its fallback share (no
+            # lease outlives a lease period without answers); the shares
+            # are the ones served, from the engines seen before the outage.
+            served = {user: self.fallback_rate(user) for user in self.demand}
+            self.resume_caps.begin(served, now + self.lease_ns)
         elif exchange.fresh and self._started:
             self._renew_all = True  # the store forgot us: it restarted
+        self.engines_seen = max(1, exchange.engines)
         self._started = True
         rates: RateChanges = {}
         self._apply_rates(exchange, round_, now, rates)
@@ -322,11 +329,13 @@ class LeaseTable:
                 self.shared.discard(user)
             if rate > 0:
                 self.blocked.discard(user)
-                rates[user] = None if rate == self.default_rate else rate
+                usable = self.resume_caps.usable(user, rate, now)
+                rates[user] = None if usable == self.default_rate else usable
             else:
                 self.blocked.add(user)
-            # Shared or starved users are asked about every cycle.
-            contended = lease.shared or rate <= 0
+            # Shared, starved or held users are asked about every cycle.
+            held = self.resume_caps.holds(user, now)
+            contended = lease.shared or rate <= 0 or held
             self._schedule(
                 user, lease, self.refresh_ns if contended else self.lease_ns // 2, now
             )
@@ -403,7 +412,8 @@ class LeaseTable:
                     lease.rate = round(lease.rate * new / old, 3) or 0.001
                 self._schedule(user, lease, 0, now)
                 if lease.rate > 0 and not self.degraded:
-                    rates[user] = None if lease.rate == default else lease.rate
+                    usable = self.resume_caps.usable(user, lease.rate, now)
+                    rates[user] = None if usable == default else usable
             if self.degraded and (lease is None or lease.expires_ns <= now):
                 rates[user] = self.fallback_rate(user)
         return rates
