@@ -9,7 +9,12 @@ import pytest
 
 from harness.demo_figures import HOG, LIGHT, LIMITED, SCENE, STOCK, figures
 from vllm_output_rate.demo.engine_view import EngineWatch, Reading
-from vllm_output_rate.demo.figures import EngineView, Outcomes, run_figures
+from vllm_output_rate.demo.figures import (
+    EngineView,
+    Outcomes,
+    RunFigures,
+    run_figures,
+)
 from vllm_output_rate.demo.judging import (
     AT_LIMIT,
     SceneResult,
@@ -131,6 +136,23 @@ class TestFigures:
             ok=1, refused=0, failed=["no"]
         )
 
+    def test_a_503_is_stock_vllms_full_queue_and_a_failure_with_limits(
+        self,
+    ) -> None:
+        busy = RequestRecord(
+            "hog", 0, 0.0, 0.01, status=200, error="server error in stream: busy",
+            stream_error_status=503,
+        )  # fmt: skip
+        records = [busy, request("hog", 0, 0, status=503), request("hog", 0, 0.1)]
+        results = {"light": result(LIGHT, []), "hog": result(HOG, records)}
+        stock = run_figures(SCENE, results, None).users["hog"].outcomes
+        assert stock == Outcomes(ok=1, queue_full=2)
+        assert stock.answered_share == pytest.approx(1 / 3)
+        limited = run_figures(SCENE, results, EngineView(watch(5.0), 100.0, 105.0))
+        outcomes = limited.users["hog"].outcomes
+        assert outcomes.queue_full == 0 and len(outcomes.failed) == 2
+        assert Outcomes().answered_share is None
+
 
 class TestJudging:
     def test_light_better_and_throttled_at_its_limit(self) -> None:
@@ -180,6 +202,31 @@ class TestJudging:
         assert "2 requests refused (429: its own excess, by design)" in hog.text
         result = SceneResult.judge(SCENE, STOCK, failed)
         assert result.breaks
+
+    def test_where_the_queue_is_scarce_the_light_user_is_judged_by_answers(
+        self,
+    ) -> None:
+        scene = dataclasses.replace(SCENE, light_measure="answers")
+
+        def light_outcomes(run: RunFigures, outcomes: Outcomes) -> RunFigures:
+            users = dict(run.users)
+            users["light"] = dataclasses.replace(users["light"], outcomes=outcomes)
+            return dataclasses.replace(run, users=users)
+
+        # Its latency is no better (the runs swapped): answers decide.
+        stock = light_outcomes(LIMITED, Outcomes(ok=2, queue_full=18))
+        limited = light_outcomes(STOCK, Outcomes(ok=30))
+        light = judge_scene(scene, stock, limited)[0]
+        assert light.good and not light.breaks and light.short == "better"
+        assert light.text.startswith(
+            "better with limits: 30 of 30 answered with limits, 2 of 20 answered "
+            "on stock vLLM"
+        )
+        assert "18 requests answered 503 on stock vLLM (its queue full)" in light.text
+        same = judge_scene(scene, light_outcomes(STOCK, Outcomes(ok=5)), limited)[0]
+        assert not same.good and not same.breaks and same.short == "NOT better"
+        table = format_table([SceneResult.judge(scene, stock, limited)])
+        assert "2 +18 503 → 30" in table
 
     def test_refused_requests_alone_do_not_break_the_demo(self) -> None:
         refused = figures(

@@ -26,7 +26,7 @@ def scene(*users: DemoUser, **kwargs: object) -> Scene:
 
 
 def test_every_scene_judges_a_light_user_and_has_a_unique_key() -> None:
-    assert [s.key for s in SCENES] == ["kv-blocks", "resident-slots"]
+    assert [s.key for s in SCENES] == ["kv-blocks", "resident-slots", "queue-places"]
     for s in SCENES:
         assert [u.role for u in s.users].count("light") == 1
         assert scene_by_key(s.key) is s
@@ -85,10 +85,12 @@ def parser():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("s", SCENES, ids=lambda s: s.key)
 def test_both_servers_flags_make_the_engine_the_scene_declares(
-    parser, tiny_model_path: str, s: Scene
+    parser, tiny_model_path: str, s: Scene, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for limited in (False, True):
         spec = ServerSpec.for_scene(s, limited)
+        for name, value in spec.env.items():
+            monkeypatch.setenv(name, value)  # the plugins the server loads
         args, config = parse_engine_args(
             parser, tiny_model_path, *DEFAULT_ARGS, *spec.args
         )
@@ -105,5 +107,7 @@ def test_both_servers_flags_make_the_engine_the_scene_declares(
         )
     if s.key == "kv-blocks":
         assert config.cache_config.num_gpu_blocks_override == 40
-    else:
+    elif s.key == "resident-slots":
         assert config.scheduler_config.max_num_seqs == 8
+    else:
+        assert args.max_num_queued_reqs == 16

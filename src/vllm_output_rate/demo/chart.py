@@ -77,6 +77,18 @@ def _light_panels(ttft_ax: Any, rate_ax: Any, result: SceneResult) -> None:
     _bars(ttft_ax, groups, ms[:2], ms[2:], " ms")
     ttft_ax.set_yscale("log")
     ttft_ax.set_ylabel("ms")
+    ttft_ax.set_title("light user: first token, p50 (log)", fontsize="medium")
+    if result.scene.light_measure == "answers":
+        shares = [
+            None if v is None else 100 * v
+            for v in (before.outcomes.answered_share, after.outcomes.answered_share)
+        ]
+        _bars(rate_ax, ["requests answered"], shares[:1], shares[1:], "%")
+        rate_ax.set_ylim(0, 110)
+        rate_ax.set_ylabel("% of its requests")
+        rate_ax.set_title("light user: requests answered", fontsize="medium")
+        return
+    rate_ax.set_title("light user: tok/s while asking", fontsize="medium")
     _bars(
         rate_ax,
         groups,
@@ -125,8 +137,6 @@ def plot_demo(results: Sequence[SceneResult], path: Path) -> Path:
         _others_panel(others_ax, result)
         flags = " ".join(result.scene.server_args)
         row.suptitle(f"{result.scene.title}   ({flags})", fontweight="bold")
-        ttft_ax.set_title("light user: first token, p50 (log)", fontsize="medium")
-        rate_ax.set_title("light user: tok/s while asking", fontsize="medium")
         others = ", ".join(u.name for u in result.scene.users if u.role != "light")
         others_ax.set_title(f"{others}: tok/s (log), limit dashed", fontsize="medium")
         for ax in (ttft_ax, rate_ax, others_ax):

@@ -12,8 +12,10 @@ with limits, the plugin's stats readings into one ``UserFigures`` per user
   token at the client; queued to last token at the engine); for the others,
   tokens per second over the run's window (client: tokens received in it;
   engine: the plugin's counts, so with limits only);
-* the requests: completed, refused by design (a 429 to a refusable user)
-  and failed (anything else, with the error texts).
+* the requests: completed, refused by design (a 429 to a refusable user),
+  refused by stock vLLM's full queue (a 503 on stock: what a scene about
+  the queue shows) and failed (anything else, with the error texts);
+* the share of the requests answered (completed of all sent).
 
 Only requests that ended within the run's window count towards the light
 user's figures: after it, the demo lifts the limits to drain (``run.py``).
@@ -30,6 +32,7 @@ from vllm_output_rate.loadtest import LoadResult, RequestRecord
 from vllm_output_rate.loadtest.summary import percentile
 
 TOO_MANY_REQUESTS = 429
+SERVICE_UNAVAILABLE = 503
 
 
 @dataclass
@@ -37,6 +40,12 @@ class Outcomes:
     ok: int = 0
     refused: int = 0  # 429s to a refusable user: its own excess, by design
     failed: list[str] = field(default_factory=list)  # one error text each
+    queue_full: int = 0  # 503s on stock vLLM: its queue caps, full
+
+    @property
+    def answered_share(self) -> float | None:
+        sent = self.ok + self.refused + self.queue_full + len(self.failed)
+        return self.ok / sent if sent else None
 
 
 @dataclass
@@ -70,13 +79,15 @@ class EngineView:
     end_s: float
 
 
-def outcomes(user: DemoUser, records: list[RequestRecord]) -> Outcomes:
+def outcomes(user: DemoUser, records: list[RequestRecord], limited: bool) -> Outcomes:
     out = Outcomes()
     for r in records:
         if r.ok:
             out.ok += 1
-        elif user.refusable and r.status == TOO_MANY_REQUESTS:
+        elif user.refusable and r.refusal_status == TOO_MANY_REQUESTS:
             out.refused += 1
+        elif not limited and r.refusal_status == SERVICE_UNAVAILABLE:
+            out.queue_full += 1
         else:
             out.failed.append(r.error or f"HTTP {r.status}")
     return out
@@ -156,7 +167,7 @@ def run_figures(
             name=user.name,
             role=user.role,
             limit=scene.limit(user) if engine is not None else None,
-            outcomes=outcomes(user, result.records),
+            outcomes=outcomes(user, result.records, limited=engine is not None),
         )
         if user.role == "light":
             light_figures(fig, result)

@@ -3,12 +3,15 @@
 ``judge_scene`` gives one ``Verdict`` per user (pure, from ``figures.py``):
 
 * light: *better with limits* when, with limits, its time to first token
-  (p50) is lower and its rate higher, at the engine and at the client;
+  (p50) is lower and its rate higher, at the engine and at the client; in a
+  scene about the queue (``light_measure`` "answers"), when a larger share
+  of its requests is answered;
 * throttled: *at its limit* when its engine rate over the window is at least
   ``AT_LIMIT`` of its limit; the bound, checked at the engine on every pair
   of the plugin's stats readings, must hold for every user with a limit;
 * everyone: no failed request in either run. A 429 to a refusable user is
-  its own excess refused by design: counted and shown, never a failure.
+  its own excess refused by design, and a 503 on stock vLLM its queue caps
+  full: counted and shown, never a failure.
 
 ``Verdict.breaks`` (a failed request, a broken bound) is what makes the demo
 exit 1; the rest is reported, never fatal: on a busy machine a light user
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from vllm_output_rate.demo.figures import RunFigures, UserFigures
+from vllm_output_rate.demo.figures import Outcomes, RunFigures, UserFigures
 from vllm_output_rate.demo.scenes import Scene
 
 AT_LIMIT = 0.9  # engine rate / limit, at least, for "at its limit"
@@ -66,6 +69,24 @@ def light_verdict(stock: UserFigures, limited: UserFigures) -> tuple[bool, str, 
     )
 
 
+def answers_verdict(stock: UserFigures, limited: UserFigures) -> tuple[bool, str, str]:
+    before = stock.outcomes.answered_share
+    after = limited.outcomes.answered_share
+
+    def share(outcomes: Outcomes, value: float | None) -> str:
+        sent = outcomes.ok + outcomes.refused + outcomes.queue_full
+        sent += len(outcomes.failed)
+        return "nothing sent" if value is None else f"{outcomes.ok} of {sent} answered"
+
+    text = (
+        f"{share(limited.outcomes, after)} with limits, "
+        f"{share(stock.outcomes, before)} on stock vLLM"
+    )
+    if before is None or after is None or after <= before:
+        return False, "NOT better", f"NOT better with limits: {text}"
+    return True, "better", f"better with limits: {text}"
+
+
 def throttled_verdict(limited: UserFigures) -> tuple[bool, str, str]:
     if limited.limit is None or limited.rate_engine is None:
         return False, "no engine rate", "its rate at the engine could not be read"
@@ -87,7 +108,9 @@ def judge_user(
     user = next(u for u in scene.users if u.name == name)
     before, after = stock.users[name], limited.users[name]
     good, short, text = True, "shown", "shown only"
-    if user.role == "light":
+    if user.role == "light" and scene.light_measure == "answers":
+        good, short, text = answers_verdict(before, after)
+    elif user.role == "light":
         good, short, text = light_verdict(before, after)
     elif user.role == "throttled":
         good, short, text = throttled_verdict(after)
@@ -103,6 +126,11 @@ def judge_user(
     refused = before.outcomes.refused + after.outcomes.refused
     if refused:
         notes.append(f"{refused} requests refused (429: its own excess, by design)")
+    if before.outcomes.queue_full:
+        notes.append(
+            f"{before.outcomes.queue_full} requests answered 503 on stock vLLM "
+            "(its queue full)"
+        )
     return Verdict(name, good, short, "; ".join(notes), breaks)
 
 

@@ -1,23 +1,24 @@
 """The demo: a scarce engine, a light user hurt on stock vLLM, whole with limits.
 
 ``make demo`` (or ``vllm-output-rate demo``) plays each scene of
-``scenes.py`` twice on a small local model: on stock vLLM, then with
-per-user limits, the same flags and load otherwise. In each scene something
-is scarce (KV blocks, resident slots), a hog's many streams take it, and a
-light user asks for short answers. The servers of two scenes start together
-(``stage.py``); each run is measured at the engine (vLLM's per-request
-timings; with limits, the plugin's stats) and at the client (``figures.py``).
+``scenes.py`` twice on a small local model: on stock vLLM, then with per-
+user limits, the same flags and load otherwise. In each scene something is
+scarce (KV blocks, resident slots, places in vLLM's queue), a hog's many
+streams take it, and a light user asks for short answers. The servers of two
+scenes start together (``stage.py``); each run is measured at the engine
+(vLLM's per-request timings; with limits, the plugin's stats) and at the
+client (``figures.py``).
 
 It prints a line per run, then per scene a table (``table.py``), one line
 per user, each figure as stock -> with limits, and the verdicts
 (``judging.py``): the light user better with limits, the throttled user at
 its limit, nobody's request failed (a 429 to a refusable user's own excess
-is shown as refused by design). It draws the chart (``chart.py``), keeps the
-raw results and server logs in ``results/demo/``, and says in plain words
-when other programs took too much of the machine for the figures to mean
-much (``busy.py``). Exit code 1 only when a request failed, a bound broke,
-a server did not start or stopped under it, or the plugin's stats could
-not be read.
+is shown as refused by design, a 503 on stock vLLM as its queue full). It
+draws the chart (``chart.py``), keeps the raw results and server logs in
+``results/demo/``, and says in plain words when other programs took too much
+of the machine for the figures to mean much (``busy.py``). Exit code 1 only
+when a request failed, a bound broke, a server did not start or stopped
+under it, or the plugin's stats could not be read.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def describe(scene: Scene, figures: RunFigures) -> str:
     parts = []
     for name, f in figures.users.items():
         if f.role == "light":
+            answered = f.outcomes.answered_share
             parts.append(
                 f"{name}: first token {_ms(f.ttft_engine_s)} engine / "
                 f"{_ms(f.ttft_client_s)} client, {_rate(f.rate_client)}"
+                + ("" if answered is None else f", {answered:.0%} answered")
             )
         else:
             parts.append(f"{name}: {_rate(f.rate_engine or f.rate_client)}")

@@ -11,11 +11,15 @@ each user's role, which says what is judged (``judging.py``):
   the bound and get close to its limit;
 * ``other``: load that is only shown.
 
-A 429 answered to a user declared ``refusable`` is its own excess refused
-by design (per-user admission caps); any other failed request fails the
-demo. Adding a scene is adding one ``Scene(...)`` to ``SCENES``; with
-limits, every user not given a limit of its own gets ``default_limit``, and
-``limited_args`` adds the plugin's other flags (caps, prompt limits).
+A 429 answered to a user declared ``refusable`` is its own excess refused by
+design (per-user admission caps); a 503 on stock vLLM is its queue caps
+full, what a scene about the queue shows; any other failed request (a 503
+with limits included) fails the demo. A scene judges its light user by
+``light_measure``: ``latency`` (time to first token and rate) or, where the
+queue is scarce, ``answers`` (the share of its requests answered). Adding a
+scene is adding one ``Scene(...)`` to ``SCENES``; with limits, every user
+not given a limit of its own gets ``default_limit``, and ``limited_args``
+adds the plugin's other flags (caps, prompt limits).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from vllm_output_rate.loadtest import DEFAULT_PROMPT
 
 Role = Literal["light", "throttled", "other"]
 ROLES: tuple[Role, ...] = ("light", "throttled", "other")
+LightMeasure = Literal["latency", "answers"]
+LIGHT_MEASURES: tuple[LightMeasure, ...] = ("latency", "answers")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class Scene:
     default_limit: float = 1000.0  # tok/s for users without a limit of their own
     duration_s: float = 15.0
     limited_args: tuple[str, ...] = ()  # the plugin's other flags, with limits only
+    light_measure: LightMeasure = "latency"  # what the light user is judged by
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9-]*", self.key):
@@ -64,6 +71,10 @@ class Scene:
             raise ValueError(f"scene {self.key}: a user is listed twice: {names}")
         if not any(u.role == "light" for u in self.users):
             raise ValueError(f"scene {self.key}: no light user to judge")
+        if self.light_measure not in LIGHT_MEASURES:
+            raise ValueError(
+                f"scene {self.key}: light_measure must be one of {LIGHT_MEASURES}"
+            )
         if not self.default_limit > 0 or not self.duration_s > 0:
             raise ValueError(f"scene {self.key}: limits and duration must be > 0")
         for u in self.users:
@@ -126,6 +137,23 @@ SCENES: tuple[Scene, ...] = (
             LIGHT,
             DemoUser("hog", "throttled", streams=24, max_tokens=40, limit=5),
         ),
+    ),
+    Scene(
+        key="queue-places",
+        title="Queue places scarce",
+        # vLLM answers 503 once 16 requests are in flight. On stock vLLM the
+        # hog's 24 streams keep its 16 places taken: the light user gets in
+        # only when it wins a freed place. With limits, the hog's paused
+        # requests count against its own cap (vLLM's, 16 here: its excess
+        # gets 429), not vLLM's: the light user is always admitted.
+        server_args=("--max-num-queued-reqs", "16"),
+        users=(
+            LIGHT,
+            DemoUser(
+                "hog", "throttled", streams=24, max_tokens=40, limit=5, refusable=True
+            ),
+        ),
+        light_measure="answers",
     ),
 )
 

@@ -4,7 +4,8 @@ Each figure is shown as ``stock -> with limits``: the light user's time to
 first token (p50) at the engine and at the client; every user's rate at
 the engine and at the client (stock vLLM has no per-user count at the
 engine but the light user's per-request timings); the requests completed,
-with any refused by design or failed; and the verdict in a word or two.
+with any refused by design, answered 503 by stock vLLM's full queue, or
+failed; and the verdict in a word or two.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _requests(outcomes: Outcomes) -> str:
     text = str(outcomes.ok)
     if outcomes.refused:
         text += f" +{outcomes.refused} refused"
+    if outcomes.queue_full:
+        text += f" +{outcomes.queue_full} 503"
     if outcomes.failed:
         text += f" +{len(outcomes.failed)} FAILED"
     return text

@@ -91,6 +91,13 @@ def _error_text(payload: Any) -> str:
     return str(payload)
 
 
+def _error_code(payload: dict[str, Any]) -> int | None:
+    """vLLM's error body carries the HTTP status as ``error.code``."""
+    err = payload.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, int) and 400 <= code < 600 else None
+
+
 def _http_error_text(status: int, raw: bytes) -> str:
     text = raw.decode("utf-8", "replace").strip()
     with contextlib.suppress(ValueError):
@@ -190,6 +197,7 @@ class _Run:
                 continue
             if "error" in payload and not payload.get("choices"):
                 record.error = f"server error in stream: {_error_text(payload)}"
+                record.stream_error_status = _error_code(payload)
                 return
             usage = payload.get("usage")
             if isinstance(usage, dict) and not payload.get("choices"):

@@ -51,14 +51,25 @@ class RequestRecord:
     usage_completion_tokens: int | None = None
     status: int | None = None
     error: str | None = None
+    # The HTTP status an error event inside a 200 stream carries (vLLM's
+    # second admission check, as a request registers: 503 or 429).
+    stream_error_status: int | None = None
     # A 429's Retry-After (retry-after-ms, else retry-after), in seconds.
     retry_after_s: float | None = None
     engine_metrics: dict[str, Any] | None = None
 
     @property
+    def refusal_status(self) -> int | None:
+        """The status the server refused it with, in the headers or inside
+        the stream; None when it was not refused."""
+        if self.stream_error_status is not None:
+            return self.stream_error_status
+        return self.status if self.status != 200 else None
+
+    @property
     def rejected(self) -> bool:
         """Refused with HTTP 429: the user's own excess, not an error."""
-        return self.status == 429
+        return self.refusal_status == 429
 
     @property
     def tokens(self) -> int:
