@@ -7,13 +7,12 @@ import re
 import pytest
 
 from vllm_output_rate.config import (
-    LimitsUpdate,
     OutputRateSettings,
     merge_settings,
-    parse_limits_update,
     parse_user_rates,
 )
 from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.limits_update import LimitsUpdate, parse_limits_update
 from vllm_output_rate.validation import (
     MAX_USER_NAME_LENGTH,
     OutputRateConfigError,

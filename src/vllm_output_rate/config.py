@@ -4,8 +4,7 @@ Settings can come from three places, merged in this order (later wins):
 a JSON or YAML limits file, ``--additional-config '{"output_rate": {...}}'``,
 and the two command-line flags. Every error names the option and the value.
 
-Over 400 lines because the limits, the fair shares (weights, floors, engine
-capacity) and the admin update are one set of settings that merge together.
+The admin API's update body: ``limits_update.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from vllm_output_rate.admission_caps import ADMISSION_KEYS
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
+    check_object,
     validate_number,
     validate_rate,
     validate_user_name,
@@ -59,19 +59,6 @@ DEFAULT_METRICS_RECENT_USERS = 100
 MAX_METRICS_RECENT_USERS = 10_000
 # Requests that do not name a user share this budget.
 ANONYMOUS_USER = "__anonymous__"
-
-
-def _check_object(
-    value: object, allowed: tuple[str, ...], where: str
-) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise OutputRateConfigError(f"{where}: expected an object, got {value!r}")
-    unknown = set(value) - set(allowed)
-    if unknown:
-        raise OutputRateConfigError(
-            f"{where}: unknown keys {sorted(unknown)}; expected {list(allowed)}"
-        )
-    return value
 
 
 def _parsed_json(value: object, where: str) -> object:
@@ -219,7 +206,7 @@ class OutputRateSettings:
         if section is None:
             return None
         where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
-        _check_object(
+        check_object(
             section,
             (
                 DEFAULT_KEY,
@@ -292,7 +279,7 @@ def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
         raise OutputRateConfigError(f"{where}: not valid YAML/JSON: {exc}") from None
     if content is None:
         content = {}
-    return _check_object(
+    return check_object(
         content,
         (DEFAULT_KEY, USERS_KEY, WEIGHTS_KEY, FLOORS_KEY, *STORE_KEYS, *ADMISSION_KEYS),
         where,
@@ -402,44 +389,3 @@ def merge_settings(
         merged_floors, settings.ceiling_of, settings.engine_capacity, floors_where
     )
     return settings
-
-
-REMOVE_KEY = "remove_users"
-
-
-@dataclass(frozen=True)
-class LimitsUpdate:
-    """A validated change to live limits (see ``parse_limits_update``)."""
-
-    default_rate: float | None = None
-    user_rates: Mapping[str, float] = field(default_factory=dict)
-    remove_users: tuple[str, ...] = ()
-    user_weights: Mapping[str, float] = field(default_factory=dict)
-    user_floors: Mapping[str, float] = field(default_factory=dict)
-
-
-def parse_limits_update(payload: object) -> LimitsUpdate:
-    """Validate an admin request body, or raise naming the bad field.
-
-    Body: ``{"default_user_output_tokens_per_second": 80,
-    "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"],
-    "user_output_weight": {"user-a": 2},
-    "user_min_output_tokens_per_second": {"user-a": 5}}``, every key
-    optional (``remove_users`` drops a user's limit, weight and floor).
-    """
-    payload = _check_object(
-        payload,
-        (DEFAULT_KEY, USERS_KEY, REMOVE_KEY, WEIGHTS_KEY, FLOORS_KEY),
-        "request body",
-    )
-    default = payload.get(DEFAULT_KEY)
-    remove = payload.get(REMOVE_KEY, [])
-    if not isinstance(remove, list):
-        raise OutputRateConfigError(f"{REMOVE_KEY}: expected a list, got {remove!r}")
-    return LimitsUpdate(
-        default_rate=None if default is None else validate_rate(default, DEFAULT_KEY),
-        user_rates=parse_user_rates(payload.get(USERS_KEY, {}), USERS_KEY),
-        remove_users=tuple(validate_user_name(u, REMOVE_KEY) for u in remove),
-        user_weights=parse_user_weights(payload.get(WEIGHTS_KEY, {}), WEIGHTS_KEY),
-        user_floors=parse_user_rates(payload.get(FLOORS_KEY, {}), FLOORS_KEY),
-    )

@@ -1,4 +1,5 @@
-"""The two checks every input goes through: a user name and a rate (no vLLM import).
+"""The checks every input goes through: a user name, a rate, an object's keys
+(no vLLM import).
 
 One set of rules for every way in (flags, limits file, admin endpoint, API
 keys file, request bodies and headers, the limiter's own API), so a name
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from typing import Any
 
 MAX_USER_NAME_LENGTH = 256
 # C0 controls, DEL and C1 controls: never part of a name, and a name is
@@ -67,3 +70,17 @@ def validate_rate(rate: object, where: str = "rate") -> float:
             f"{where} must be a finite number > 0, got {rate!r}"
         )
     return float(rate)
+
+
+def check_object(
+    value: object, allowed: tuple[str, ...], where: str
+) -> Mapping[str, Any]:
+    """``value`` as an object whose keys are all in ``allowed``."""
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(f"{where}: expected an object, got {value!r}")
+    unknown = set(value) - set(allowed)
+    if unknown:
+        raise OutputRateConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; expected {list(allowed)}"
+        )
+    return value

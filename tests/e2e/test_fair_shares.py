@@ -160,8 +160,12 @@ def shares(tiny_model_path: str, tmp_path_factory) -> dict[str, Share]:
         )
         # Together: with the floored user's two opened once the hog's 32
         # were in, the engine once dispatched nothing for the rest of the
-        # scenario (seen twice on a loaded machine, not yet reproduced on
-        # the scheduler: an open bug, reported with the issues).
+        # scenario (seen twice on a loaded machine, before the kept batch
+        # with late outputs was dropped; not seen since in three runs of the
+        # two groups in turn, one beside two busy CPU loops). On a loaded
+        # machine the API server hands 32 streams over in tens of seconds
+        # (38 s there) while the hog's first requests run: opened together,
+        # both users are in the engine for the whole window.
         floored = asyncio.run(
             run_scenario(server, tiny_model_path, [{"hog": 32, "floored": 2}])
         )

@@ -20,10 +20,10 @@ from vllm_output_rate.admission_caps import (
     caps_from_document,
     without_admission_keys,
 )
-from vllm_output_rate.config import parse_limits_update
 from vllm_output_rate.integration import admission
 from vllm_output_rate.integration.admission_context import note_checked_request
 from vllm_output_rate.integration.admission_view import EngineViews, engine_call
+from vllm_output_rate.limits_update import parse_limits_update
 
 _hooked = False
 

@@ -24,8 +24,8 @@ from vllm_output_rate.config import (
     WEIGHTS_KEY,
     OutputRateSettings,
     check_floors,
-    parse_limits_update,
 )
+from vllm_output_rate.limits_update import parse_limits_update
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
 from vllm_output_rate.scheduling.stats import OutputRateStats

@@ -1,0 +1,61 @@
+"""A change to live limits, as the admin API sends it: validated (no vLLM import)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from vllm_output_rate.config import (
+    DEFAULT_KEY,
+    FLOORS_KEY,
+    USERS_KEY,
+    WEIGHTS_KEY,
+    parse_user_rates,
+    parse_user_weights,
+)
+from vllm_output_rate.validation import (
+    OutputRateConfigError,
+    check_object,
+    validate_rate,
+    validate_user_name,
+)
+
+REMOVE_KEY = "remove_users"
+
+
+@dataclass(frozen=True)
+class LimitsUpdate:
+    """A validated change to live limits (see ``parse_limits_update``)."""
+
+    default_rate: float | None = None
+    user_rates: Mapping[str, float] = field(default_factory=dict)
+    remove_users: tuple[str, ...] = ()
+    user_weights: Mapping[str, float] = field(default_factory=dict)
+    user_floors: Mapping[str, float] = field(default_factory=dict)
+
+
+def parse_limits_update(payload: object) -> LimitsUpdate:
+    """Validate an admin request body, or raise naming the bad field.
+
+    Body: ``{"default_user_output_tokens_per_second": 80,
+    "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"],
+    "user_output_weight": {"user-a": 2},
+    "user_min_output_tokens_per_second": {"user-a": 5}}``, every key
+    optional (``remove_users`` drops a user's limit, weight and floor).
+    """
+    payload = check_object(
+        payload,
+        (DEFAULT_KEY, USERS_KEY, REMOVE_KEY, WEIGHTS_KEY, FLOORS_KEY),
+        "request body",
+    )
+    default = payload.get(DEFAULT_KEY)
+    remove = payload.get(REMOVE_KEY, [])
+    if not isinstance(remove, list):
+        raise OutputRateConfigError(f"{REMOVE_KEY}: expected a list, got {remove!r}")
+    return LimitsUpdate(
+        default_rate=None if default is None else validate_rate(default, DEFAULT_KEY),
+        user_rates=parse_user_rates(payload.get(USERS_KEY, {}), USERS_KEY),
+        remove_users=tuple(validate_user_name(u, REMOVE_KEY) for u in remove),
+        user_weights=parse_user_weights(payload.get(WEIGHTS_KEY, {}), WEIGHTS_KEY),
+        user_floors=parse_user_rates(payload.get(FLOORS_KEY, {}), FLOORS_KEY),
+    )
