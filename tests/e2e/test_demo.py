@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,16 +14,26 @@ from vllm_output_rate.demo import run
 
 pytestmark = pytest.mark.e2e
 
+Users = dict[str, dict[str, Any]]
+
+
+def play(
+    key: str, out_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[str, Users, Users]:
+    """Play one scene as ``make demo`` does: its output and, per user, the
+    figures of the stock run and of the run with limits."""
+    code = run.main(["--scene", key, "--out", str(out_dir)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert (out_dir / "demo.png").read_bytes().startswith(PNG_MAGIC)
+    (scene,) = json.loads((out_dir / "summary.json").read_text())
+    return out, scene["stock"]["users"], scene["limited"]["users"]
+
 
 def test_resident_slots_scene_light_user_better_hog_at_its_limit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = run.main(["--scene", "resident-slots", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert (tmp_path / "demo.png").read_bytes().startswith(PNG_MAGIC)
-    (scene,) = json.loads((tmp_path / "summary.json").read_text())
-    stock, limited = scene["stock"]["users"], scene["limited"]["users"]
+    out, stock, limited = play("resident-slots", tmp_path, capsys)
     for users in (stock, limited):
         assert all(not u["outcomes"]["failed"] for u in users.values())
     # The scarcity is strong: on stock vLLM the light user waits behind the
@@ -38,11 +49,7 @@ def test_resident_slots_scene_light_user_better_hog_at_its_limit(
 def test_queue_places_scene_light_user_answered_hog_refused_its_excess(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = run.main(["--scene", "queue-places", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    (scene,) = json.loads((tmp_path / "summary.json").read_text())
-    stock, limited = scene["stock"]["users"], scene["limited"]["users"]
+    out, stock, limited = play("queue-places", tmp_path, capsys)
     # On stock vLLM the hog's streams keep the queue full: 503 for both.
     assert stock["light"]["outcomes"]["queue_full"] > 0, out
     assert stock["hog"]["outcomes"]["queue_full"] > 0, out
