@@ -142,15 +142,16 @@ SCENES: tuple[Scene, ...] = (
         key="queue-places",
         title="Queue places scarce",
         # vLLM answers 503 once 16 requests are in flight. On stock vLLM the
-        # hog's 24 streams keep its 16 places taken: the light user gets in
-        # only when it wins a freed place. With limits, the hog's paused
+        # hog's 32 streams keep its 16 places taken (a stream whose request
+        # ends sends the next at once, 16 more retry): the light user gets
+        # in only when it wins a freed place. With limits, the hog's paused
         # requests count against its own cap (vLLM's, 16 here: its excess
         # gets 429), not vLLM's: the light user is always admitted.
         server_args=("--max-num-queued-reqs", "16"),
         users=(
             LIGHT,
             DemoUser(
-                "hog", "throttled", streams=24, max_tokens=40, limit=5, refusable=True
+                "hog", "throttled", streams=32, max_tokens=40, limit=5, refusable=True
             ),
         ),
         light_measure="answers",
