@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 
 import pytest
@@ -118,6 +119,18 @@ class TestClientAgainstFakeServer:
         table = format_table(result)
         assert "429" in table and "retry" in table  # the requests cell
         assert "refused with 429" in table  # the totals line
+
+    def test_a_user_that_thinks_pauses_after_each_answer(self, fake_server):
+        url, _ = fake_server
+        users = [UserLoad("quick", 1), UserLoad("reader", 1, think_s=0.2)]
+        spec = LoadSpec(url, "multi", users, max_tokens=2, duration_s=0.8)
+        result = run_load_sync(spec)
+        assert result.ok, result.error_summary()
+        reader = [r for r in result.records if r.user == "reader"]
+        quick = [r for r in result.records if r.user == "quick"]
+        assert 2 <= len(reader) <= 4 < len(quick)
+        for before, after in itertools.pairwise(reader):
+            assert after.start_s - (before.end_s or 0) >= 0.2
 
     def test_chat_endpoint_path(self, fake_server):
         url, seen = fake_server

@@ -71,6 +71,8 @@ class TestSpecValidation:
             dict(users=[UserLoad("", 1)]),
             dict(users=[UserLoad("a", 1, limit=0)]),
             dict(users=[UserLoad("a", 1, limit=math.inf)]),
+            dict(users=[UserLoad("a", 1, think_s=-0.1)]),
+            dict(users=[UserLoad("a", 1, think_s=math.nan)]),
             dict(max_tokens=0),
             dict(duration_s=0),
             dict(request_timeout_s=-1),

@@ -24,6 +24,7 @@ adds the plugin's other flags (caps, prompt limits).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class DemoUser:
     prompt: str = DEFAULT_PROMPT
     start_after_s: float = 0.0
     refusable: bool = False  # a 429 to this user is its own excess, by design
+    think_s: float = 0.0  # each stream's pause after an answer
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class Scene:
             raise ValueError(f"{where}: a limit must be > 0 tok/s, got {u.limit}")
         if u.role == "throttled" and u.limit is None:
             raise ValueError(f"{where}: a throttled user needs a limit of its own")
+        if not u.think_s >= 0:
+            raise ValueError(f"{where}: think_s must be >= 0, got {u.think_s}")
         if not 0 <= u.start_after_s < self.duration_s:
             raise ValueError(f"{where}: it must start within the run")
 
@@ -149,7 +153,10 @@ SCENES: tuple[Scene, ...] = (
         # gets 429), not vLLM's: the light user is always admitted.
         server_args=("--max-num-queued-reqs", "16"),
         users=(
-            LIGHT,
+            # It reads each answer for half a second: back to back, a request
+            # that got a place on stock vLLM would free it and take it again
+            # before anyone else could, every time.
+            dataclasses.replace(LIGHT, think_s=0.5),
             DemoUser(
                 "hog", "throttled", streams=32, max_tokens=40, limit=5, refusable=True
             ),

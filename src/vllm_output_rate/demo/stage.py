@@ -176,7 +176,12 @@ def _load_spec(
         base_url=url,
         model=model,
         users=[
-            UserLoad(user.name, user.streams, scene.limit(user) if limited else None)
+            UserLoad(
+                user.name,
+                user.streams,
+                scene.limit(user) if limited else None,
+                think_s=user.think_s,
+            )
         ],
         max_tokens=user.max_tokens,
         duration_s=scene.duration_s - user.start_after_s,

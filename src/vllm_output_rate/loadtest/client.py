@@ -155,12 +155,15 @@ class _Run:
             finally:
                 self.in_flight -= 1
                 record.end_s = self.now()
-            if not record.ok:
-                # A 429 says when to come back: a stream honours it.
-                pause = record.retry_after_s or FAILURE_BACKOFF_S
-                remaining = self.deadline - time.monotonic()
-                if remaining > 0:
-                    await asyncio.sleep(min(pause, remaining))
+            # A 429 says when to come back: a stream honours it.
+            pause = (
+                user.think_s
+                if record.ok
+                else (record.retry_after_s or FAILURE_BACKOFF_S)
+            )
+            remaining = self.deadline - time.monotonic()
+            if pause > 0 and remaining > 0:
+                await asyncio.sleep(min(pause, remaining))
 
     async def _request(
         self, body: dict[str, Any], headers: dict[str, str], record: RequestRecord

@@ -40,11 +40,14 @@ class UserLoad:
     ``name=None`` means requests carry no ``output_rate_user`` (anonymous).
     ``limit`` (tokens/s) is what the server is expected to enforce for this
     user; the client does not send it, it only uses it for the bound check.
+    ``think_s``: each stream's pause after a completed request, as a person
+    reading the answer takes (0: the next request at once).
     """
 
     name: str | None
     streams: int
     limit: float | None = None
+    think_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -121,6 +124,10 @@ def _check_user(user: UserLoad) -> None:
     if user.limit is not None and not (math.isfinite(user.limit) and user.limit > 0):
         raise ValueError(
             f"user {user.label}: limit must be > 0 tokens/s, got {user.limit!r}"
+        )
+    if not (math.isfinite(user.think_s) and user.think_s >= 0):
+        raise ValueError(
+            f"user {user.label}: think_s must be >= 0 seconds, got {user.think_s!r}"
         )
 
 
