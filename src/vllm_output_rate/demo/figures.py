@@ -43,9 +43,12 @@ class Outcomes:
     queue_full: int = 0  # 503s on stock vLLM: its queue caps, full
 
     @property
+    def sent(self) -> int:
+        return self.ok + self.refused + self.queue_full + len(self.failed)
+
+    @property
     def answered_share(self) -> float | None:
-        sent = self.ok + self.refused + self.queue_full + len(self.failed)
-        return self.ok / sent if sent else None
+        return self.ok / self.sent if self.sent else None
 
 
 @dataclass

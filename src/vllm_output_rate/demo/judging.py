@@ -73,14 +73,14 @@ def answers_verdict(stock: UserFigures, limited: UserFigures) -> tuple[bool, str
     before = stock.outcomes.answered_share
     after = limited.outcomes.answered_share
 
-    def share(outcomes: Outcomes, value: float | None) -> str:
-        sent = outcomes.ok + outcomes.refused + outcomes.queue_full
-        sent += len(outcomes.failed)
-        return "nothing sent" if value is None else f"{outcomes.ok} of {sent} answered"
+    def answered(outcomes: Outcomes) -> str:
+        if not outcomes.sent:
+            return "nothing sent"
+        return f"{outcomes.ok} of {outcomes.sent} answered"
 
     text = (
-        f"{share(limited.outcomes, after)} with limits, "
-        f"{share(stock.outcomes, before)} on stock vLLM"
+        f"{answered(limited.outcomes)} with limits, "
+        f"{answered(stock.outcomes)} on stock vLLM"
     )
     if before is None or after is None or after <= before:
         return False, "NOT better", f"NOT better with limits: {text}"

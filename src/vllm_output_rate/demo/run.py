@@ -1,8 +1,8 @@
 """The demo: a scarce engine, a light user hurt on stock vLLM, whole with limits.
 
 ``make demo`` (or ``vllm-output-rate demo``) plays each scene of
-``scenes.py`` twice on a small local model: on stock vLLM, then with per-
-user limits, the same flags and load otherwise. In each scene something is
+``scenes.py`` twice on a small local model: on stock vLLM, then with
+per-user limits, the same flags and load otherwise. In each scene something is
 scarce (KV blocks, resident slots, places in vLLM's queue), a hog's many
 streams take it, and a light user asks for short answers. The servers of two
 scenes start together (``stage.py``); each run is measured at the engine

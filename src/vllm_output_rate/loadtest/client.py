@@ -155,7 +155,8 @@ class _Run:
             finally:
                 self.in_flight -= 1
                 record.end_s = self.now()
-            # A 429 says when to come back: a stream honours it.
+            # After an answer, the user's reading time; after a refusal, a
+            # 429's Retry-After (a stream honours it), else a back-off.
             pause = (
                 user.think_s
                 if record.ok
