@@ -64,6 +64,8 @@ def test_limits_come_from_the_users_or_the_default() -> None:
         ((LIGHT, dataclasses.replace(HOG, role="hog")), {}, "role must be"),
         ((LIGHT,), {"duration_s": 2.0}, "start within the run"),
         ((LIGHT,), {"default_limit": -1.0}, "must be > 0"),
+        ((dataclasses.replace(LIGHT, think_s=-1.0),), {}, "think_s must be >= 0"),
+        ((LIGHT,), {"light_measure": "speed"}, "light_measure must be one of"),
     ],
 )
 def test_a_bad_declaration_is_refused_when_declared(
