@@ -49,6 +49,9 @@ CAPACITY_KEY = "engine_capacity_tokens_per_second"
 # false: run every step on the reference path, without the speed-only
 # shortcuts (scheduling/shortcuts.py); the same decisions, more CPU.
 SHORTCUTS_KEY = "shortcuts"
+# false: vLLM sizes every prefill chunk, even when one user's prompts take
+# a whole step's token budget (scheduling/token_shares.py).
+FAIR_STEP_TOKENS_KEY = "fair_step_tokens"
 # The largest weight: a million times the default keeps virtual service
 # counters well inside a float's precision.
 MAX_WEIGHT = 1e6
@@ -178,6 +181,8 @@ class OutputRateSettings:
     engine_capacity: float | None = None
     # The step's speed-only shortcuts (off: the reference path).
     shortcuts: bool = True
+    # A fair share of each step's tokens when users' work exceeds them.
+    fair_step_tokens: bool = True
 
     def ceiling_of(self, user: str) -> float:
         return self.user_rates.get(user, self.default_rate)
@@ -194,6 +199,7 @@ class OutputRateSettings:
             FLOORS_KEY: dict(self.user_floors),
             CAPACITY_KEY: self.engine_capacity,
             SHORTCUTS_KEY: self.shortcuts,
+            FAIR_STEP_TOKENS_KEY: self.fair_step_tokens,
             **(self.store.to_config() if self.store else {}),
         }
 
@@ -216,16 +222,19 @@ class OutputRateSettings:
                 METRICS_RECENT_KEY,
                 *FAIR_KEYS,
                 SHORTCUTS_KEY,
+                FAIR_STEP_TOKENS_KEY,
                 *STORE_KEYS,
                 *ADMISSION_KEYS,  # read by integration/admission_rpc.py
             ),
             where,
         )
-        shortcuts = section.get(SHORTCUTS_KEY, True)
-        if not isinstance(shortcuts, bool):
-            raise OutputRateConfigError(
-                f"{where}[{SHORTCUTS_KEY!r}] must be true or false, got {shortcuts!r}"
-            )
+        switches = {}
+        for key in (SHORTCUTS_KEY, FAIR_STEP_TOKENS_KEY):
+            switches[key] = section.get(key, True)
+            if not isinstance(switches[key], bool):
+                raise OutputRateConfigError(
+                    f"{where}[{key!r}] must be true or false, got {switches[key]!r}"
+                )
         settings = merge_settings(
             config_file=section.get(FILE_KEY),
             default_rate=section.get(DEFAULT_KEY),
@@ -240,7 +249,11 @@ class OutputRateSettings:
         )
         if settings is None:
             return None
-        return replace(settings, shortcuts=shortcuts).with_metrics_labels(
+        return replace(
+            settings,
+            shortcuts=switches[SHORTCUTS_KEY],
+            fair_step_tokens=switches[FAIR_STEP_TOKENS_KEY],
+        ).with_metrics_labels(
             section.get(METRICS_USERS_KEY),
             section.get(METRICS_RECENT_KEY),
             users_source=f"{where}[{METRICS_USERS_KEY!r}]",

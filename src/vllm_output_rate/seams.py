@@ -228,6 +228,7 @@ EXPECTED_SIGNATURES: list[tuple[str, str, list[str]]] = [
         ["self", "requests"],
     ),
     ("vllm.v1.request", "Request.num_tokens", ["self"]),
+    ("vllm.v1.request", "Request.num_tokens_with_spec", ["self"]),
     ("vllm.v1.request", "Request.num_output_tokens", ["self"]),
     (
         SCHEDULER_MODULE,
@@ -296,6 +297,10 @@ API_KEY_GUARD = ("vllm.entrypoints.serve.middleware.authenticate", "GUARDED_PREF
 # Facts about vLLM's source the plugin relies on: (module, function, text
 # its source must contain, the fact).
 SOURCE_FACTS: list[tuple[str, str, str, str]] = [
+    (SCHEDULER_MODULE, "Scheduler.schedule",
+     ">= request.num_prompt_tokens + request.max_tokens",
+     "Scheduler.schedule passes over a request whose last token is in flight "
+     "(scheduling/token_shares.py counts nothing for it)"),
     (SCHEDULER_MODULE, "Scheduler.schedule", "self.max_num_active_reqs",
      "Scheduler.schedule reads max_num_active_reqs"),
     (SCHEDULER_MODULE, "Scheduler.schedule", "self._reserve_prefill_lookahead(",

@@ -101,6 +101,26 @@ def test_the_flag_selects_our_scheduler(parser, tiny_model_path: str) -> None:
     }
 
 
+def test_switches_in_additional_config_survive_the_flags(
+    parser, tiny_model_path: str
+) -> None:
+    # The flags rebuild the settings: the switches only additional_config
+    # sets must come through (both were dropped once).
+    config = engine_config(
+        parser,
+        tiny_model_path,
+        "--additional-config",
+        '{"output_rate": {"shortcuts": false, "fair_step_tokens": false}}',
+        FLAG,
+        "9",
+    )
+    section = config.additional_config["output_rate"]
+    assert section["shortcuts"] is False
+    assert section["fair_step_tokens"] is False
+    default = engine_config(parser, tiny_model_path, FLAG, "9")
+    assert default.additional_config["output_rate"]["fair_step_tokens"] is True
+
+
 def test_async_scheduling_selects_the_async_variant(
     parser, tiny_model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

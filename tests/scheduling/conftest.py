@@ -34,11 +34,14 @@ def limited(tiny_model_path: str, is_async: bool):
         weights: dict[str, float] | None = None,
         floors: dict[str, float] | None = None,
         shortcuts: bool = True,
+        fair_step_tokens: bool = True,
         **kwargs,
     ):
         limits: dict[str, object] = {"default_user_output_tokens_per_second": default}
         if not shortcuts:
             limits["shortcuts"] = False  # the reference step (shortcuts.py)
+        if not fair_step_tokens:
+            limits["fair_step_tokens"] = False  # vLLM sizes every chunk
         if users:
             limits["user_output_tokens_per_second"] = users
         if weights:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from vllm_output_rate.config import (
@@ -334,8 +335,11 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
             )
         return None
     if base is not None:
-        settings = settings.with_metrics_labels(
-            base.metrics_users, base.metrics_recent_users
+        # The switches only additional_config sets.
+        settings = replace(
+            settings.with_metrics_labels(base.metrics_users, base.metrics_recent_users),
+            shortcuts=base.shortcuts,
+            fair_step_tokens=base.fair_step_tokens,
         )
     return settings.with_metrics_labels(metrics_users, metrics_recent)
 

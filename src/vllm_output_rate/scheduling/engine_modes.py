@@ -4,7 +4,8 @@ The policy holds a request back short of its sampling position, or leaves a
 waiting request queued, when its user has no budget. ``EngineModes`` knows
 the engine's modes and answers:
 
-* ``hold_back_end``: where a prefill may stop without sampling: on a Mamba
+* ``hold_back_end``: where a prefill may stop without sampling (held back
+  for lack of budget, or trimmed to its user's share of the step): on a Mamba
   block boundary for hybrid models (``mamba_block_size``), nowhere when the
   sampling position is inside a placeholder of multimodal input that must
   not be chunked (``split_mm_inputs=False``), or for a seeded request on CPU
@@ -45,17 +46,19 @@ class EngineModes:
         default_factory=lambda: (-1, set()), repr=False
     )
 
-    def hold_back_end(self, request: Request, end: int) -> int:
+    def hold_back_end(
+        self, request: Request, end: int, limit: int | None = None
+    ) -> int:
         """The furthest position a prefill can stop at without sampling.
 
-        One short of ``end`` (the sampling position), except: on a Mamba
-        block boundary (vLLM's invariant: the state slot of block p holds
-        the state after exactly (p + 1) x block_size tokens); and none (0)
-        when multimodal input must not be chunked and the sampling position
-        is inside a placeholder, or when a seeded request's generator could
-        not be rewound after the chunk.
+        One short of ``end`` (the sampling position), or ``limit`` if that is
+        before it, except: on a Mamba block boundary (vLLM's invariant: the
+        state slot of block p holds the state after exactly (p + 1) x
+        block_size tokens); and none (0) when multimodal input must not be
+        chunked and the stop is inside a placeholder, or when a seeded
+        request's generator could not be rewound after the chunk.
         """
-        stop: int = end - 1
+        stop: int = end - 1 if limit is None else min(limit, end - 1)
         if not self.seeded_partial_prefill:
             params = request.sampling_params
             if params is not None and params.seed is not None:

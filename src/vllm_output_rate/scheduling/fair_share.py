@@ -14,7 +14,8 @@ step's token budget run out while users are below their ceilings. Per user:
   (``credit_floors``); time a whole burst behind is counted.
 
 ``key`` ranks a user's ``k``-th slot of a step: a user below its floor ahead
-of every counter, then ``V_u + k / w_u``. Why each rule, the bound it gives
+of every counter, then ``V_u + k / w_u``; ``ranks`` orders users for a
+step's tokens the same way. Why each rule, the bound it gives
 and its proof: docs/architecture.md, "Fair shares when the engine is full".
 Cost per step: O(users served + backlogged users), never O(resident requests).
 """
@@ -117,6 +118,19 @@ class FairShare:
             + (k - turn_left) / self.weights.get(user, DEFAULT_WEIGHT),
             last_served,
         )
+
+    def ranks(self, users: list[str]) -> list[tuple[int, float]]:
+        """Who goes first for a step's tokens, per user of ``users``: below
+        its floor, then the least weighted service (``key`` of its first
+        slot, without the tie-break: ``token_shares`` has its own)."""
+        services = self.services(users)
+        credit = self._credit
+        if not credit:
+            return [(1, service) for service in services]
+        return [
+            (0 if credit.get(user, 0.0) >= 1.0 else 1, service)
+            for user, service in zip(users, services, strict=True)
+        ]
 
     # ----- after a step -------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The plan of a contested step: who holds the slots, and in which order.
 
-A step is contested when someone may be refused or active slots are
-contested (``step.StepMode``). Before vLLM's ``schedule()`` runs it:
+A step is contested when someone may be refused, active slots are
+contested or the step's tokens are shared (``step.StepMode``). Before
+vLLM's ``schedule()`` runs it:
 
 1. When requests wait: resident slots and KV blocks go to users with budget
    (``residency.py``): throttled residents are preempted for claimants,
@@ -15,6 +16,10 @@ contested (``step.StepMode``). Before vLLM's ``schedule()`` runs it:
    owed most service, running and waiting requests alike
    (``ordering.share_slots`` by ``fair_share.FairShare.key``).
 
+3. When several users' work exceeds the step's token budget (long prompts
+   beside short ones): each user gets a share of it (``token_shares``), so
+   that one user's prefills cannot take every step.
+
 The functions read and write the policy's long-lived state and the step.
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
+from itertools import compress, repeat
+from operator import not_
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -32,11 +39,13 @@ from vllm_output_rate.scheduling import kv_room
 from vllm_output_rate.scheduling.demand import last_served_of, user_of
 from vllm_output_rate.scheduling.fair_share import TURN_TOKENS
 from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
+from vllm_output_rate.scheduling.token_shares import share_tokens, step_needs
 from vllm_output_rate.seams import num_free_kv_blocks, preempt
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.policy import OutputRatePolicy
     from vllm_output_rate.scheduling.step import Step
+    from vllm_output_rate.scheduling.step_budget import StepBudget
     from vllm_output_rate.scheduling.step_slots import StepSlots
 
 NOTHING: Mapping[str, int] = MappingProxyType({})
@@ -53,6 +62,90 @@ def crowded(policy: OutputRatePolicy) -> bool:
         return False
     free_active = min(policy.active_cap, host.max_num_running_reqs) - running
     return waiting > free_active and len(policy.demand.unfinished) > 1
+
+
+def token_needs(
+    policy: OutputRatePolicy, budget: StepBudget, running_cap: int
+) -> dict[str, int] | None:
+    """What each user would compute in the step (``token_shares.py``),
+    counted on the running list in its order with ``running_cap`` of them
+    taking an active slot; None when no share can be needed.
+
+    Only looked at when prompt work is possible: the last step computed
+    prompt tokens (a prefill may go on), or requests wait with a resident
+    slot free. Plain decoding costs nothing here."""
+    host = policy.host
+    if not policy.share_step_tokens or len(policy.demand.unfinished) < 2:
+        return None
+    slots = host.max_num_running_reqs
+    free_slots = slots - len(host.running)
+    waiting = len(host.requests) > len(host.running) and free_slots > 0
+    if not (policy.prefilled or waiting):
+        return None
+    return step_needs(
+        host.running,
+        host.waiting if waiting else (),
+        running_slots=min(running_cap, slots),
+        active_slots=min(policy.active_cap, slots),
+        resident_slots=free_slots,
+        kv_tokens=num_free_kv_blocks(host) * host.block_size,
+        budget=host.max_num_scheduled_tokens,
+        allowance=budget.reserved,
+    )
+
+
+def token_shares(
+    policy: OutputRatePolicy, budget: StepBudget, needs: Mapping[str, int] | None
+) -> dict[str, int] | None:
+    """Each user's share of the step's tokens when ``needs`` exceed them;
+    None when vLLM may size every chunk. Users with budget go first."""
+    if not needs:
+        return None
+    fair, reserved = policy.fair, budget.reserved
+
+    def ranks(users: list[str]) -> list[tuple[float, ...]]:
+        return [
+            (0 if reserved.get(user, 1) else 1, *rank)
+            for user, rank in zip(users, fair.ranks(users), strict=True)
+        ]
+
+    return share_tokens(
+        needs, policy.host.max_num_scheduled_tokens, ranks, fair.weights_of
+    )
+
+
+def give_token_shares(
+    policy: OutputRatePolicy,
+    step: Step,
+    needs: Mapping[str, int],
+    shares: dict[str, int],
+) -> None:
+    """Rule 3: the step's chunks are cut to ``shares``. Every user left
+    short is backlogged in the step, and the running requests of users with
+    a share go first (stable; a throttled user's after every other), so that
+    vLLM's running loop spends the budget on them and ends there instead of
+    visiting every other request only to skip it."""
+    step.token_shares = shares
+    step.deferred_users.update(
+        user for user, share in shares.items() if share < needs[user]
+    )
+    host, reserved = policy.host, step.budget.reserved
+    running = host.running
+    first = list(
+        map(
+            bool,
+            map(
+                shares.get,
+                map(user_of, running),
+                repeat(0),
+            ),
+        )
+    )
+    if reserved and not all(reserved.values()):
+        for index, request in enumerate(running):
+            if first[index] and not reserved.get(user_of(request), 1):
+                first[index] = False
+    host.running[:] = [*compress(running, first), *compress(running, map(not_, first))]
 
 
 def plan_contested(

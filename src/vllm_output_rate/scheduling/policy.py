@@ -98,6 +98,8 @@ class OutputRatePolicy(OperatorView):
         self.accounting = accounting_for(num_spec_tokens, late_outputs=late_outputs)
         self._rules = StepRules(host, self.accounting, self.modes, chunked_prefill)
         self.shortcuts = layers_for(settings.shortcuts, logger)
+        # A fair share of each step's tokens when users' work exceeds them.
+        self.share_step_tokens = settings.fair_step_tokens and chunked_prefill
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         self.demand = Demand()
         # Weights and floors: who is owed service when the engine is full.
@@ -124,6 +126,7 @@ class OutputRatePolicy(OperatorView):
         # What the steps leave for the next ones (written by settling.py):
         self.user_last_served: dict[str, int] = {}
         self.order_running = False  # the last step refused or deferred someone
+        self.prefilled = False  # the last step computed prompt tokens
         self.fair_growth = 0.0  # the most a user's counter grew (kept_batch.py)
         self.wakeup_ns: int | None = None  # when a refused user may sample again
         self.last_step_idle = False
@@ -184,8 +187,13 @@ class OutputRatePolicy(OperatorView):
             self._max_tokens_per_step,
         )
         crowded = planning.crowded(self)
+        needs = planning.token_needs(self, budget, self.active_cap)
+        shares = planning.token_shares(self, budget, needs)
         contested = (
-            not budget.covers_demand or len(host.running) > self.active_cap or crowded
+            not budget.covers_demand
+            or len(host.running) > self.active_cap
+            or crowded
+            or shares is not None
         )
         host.max_num_active_reqs = self.active_cap
         step = self.step = Step(
@@ -196,7 +204,23 @@ class OutputRatePolicy(OperatorView):
             self.active_cap,
             self.active_cap,
         )
-        if not self.shortcuts.plan(self, step, crowded) and contested:
+        if shares is not None and needs is not None:
+            # The shortcuts keep or rank batches of whole chunks: a step
+            # whose tokens are shared runs on the reference path.
+            reorders = crowded or self.order_running
+            resident = len(host.running)
+            planning.plan_contested(self, step, crowded)
+            if (
+                reorders
+                or len(host.running) != resident  # residents reclaimed
+                or step.running_cap != self.active_cap
+            ):
+                # Counted again on the running list as planned.
+                needs = planning.token_needs(self, budget, step.running_cap)
+                shares = planning.token_shares(self, budget, needs)
+            if shares is not None and needs is not None:
+                planning.give_token_shares(self, step, needs, shares)
+        elif not self.shortcuts.plan(self, step, crowded) and contested:
             planning.plan_contested(self, step, crowded)
         return step
 

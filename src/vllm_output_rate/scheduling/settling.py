@@ -77,6 +77,9 @@ def settle(policy: OutputRatePolicy, step: Step) -> None:
             policy.first_tokens.sampled(output.num_scheduled_tokens, host.requests),
         )
     policy.last_step_idle = output.total_num_scheduled_tokens == 0
+    policy.prefilled = output.total_num_scheduled_tokens > len(
+        output.num_scheduled_tokens
+    ) + num_drafts(output)
     # Order the next contested step's running list if this one refused
     # someone or left running requests without an active slot.
     policy.order_running = bool(step.budget.refused_users) or (

@@ -259,6 +259,7 @@ class Shortcuts:
             return None
         if (
             (kept is None and ranking is None)
+            or step.token_shares is not None
             or host.policy == SchedulingPolicy.PRIORITY
             or step.budget.refused_users
             or step.throttled

@@ -75,8 +75,12 @@ class Step:
     active: int = 0
     # Resident requests skipped for lack of budget.
     throttled: list[Request] = field(default_factory=list)
-    # Users with a running request left without an active slot.
+    # Users with a running request left without an active slot, or cut
+    # short by their share of the step's tokens.
     deferred_users: set[str] = field(default_factory=set)
+    # Each user's tokens left of the step's budget, when the users' work
+    # exceeds it (``token_shares.py``); None: vLLM sizes every chunk.
+    token_shares: dict[str, int] | None = None
     # Residency accounts (a contested step in which requests wait).
     slots: StepSlots | None = None
     # vLLM's waiting scan is closed for the step, or will be once the slots
@@ -115,6 +119,13 @@ class Step:
         in_running_loop = request.status == RequestStatus.RUNNING
         user = user_of(request)
         end = request.num_tokens + request.num_output_placeholders
+        shares = self.token_shares
+        if shares is not None and num_new_tokens > shares.get(user, 0):
+            num_new_tokens = self._within_share(
+                request, num_computed_tokens, num_new_tokens, end, in_running_loop
+            )
+            if not num_new_tokens:
+                return 0
         samples = (
             num_computed_tokens + num_new_tokens >= end
             and request.request_id not in self.charged  # never charge twice
@@ -153,7 +164,39 @@ class Step:
             )
             budget.spend(user, count)
             self.charged[request.request_id] = request
+        if shares is not None:
+            shares[user] = shares.get(user, 0) - num_new_tokens
         return num_new_tokens
+
+    def _within_share(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        end: int,
+        in_running_loop: bool,
+    ) -> int:
+        """The chunk trimmed to what is left of its user's share of the
+        step's tokens (0: none of it runs). It stops where a prefill may
+        stop without sampling (``EngineModes.hold_back_end``), or keeps its
+        sampling position and fewer draft tokens. A waiting request's chunk
+        that cannot stop inside the share runs whole: vLLM ends its waiting
+        scan at a chunk of 0 tokens."""
+        assert self.token_shares is not None
+        user = user_of(request)
+        self.deferred_users.add(user)  # cut short: backlogged in the step
+        left = self.token_shares.get(user, 0)
+        if left > 0:
+            limit = num_computed_tokens + left
+            if limit >= end:
+                return left
+            stop = self.rules.modes.hold_back_end(request, end, limit)
+            if stop > num_computed_tokens:
+                return stop - num_computed_tokens
+        if not in_running_loop:
+            return num_new_tokens
+        self._raise_admission_cap()
+        return 0
 
     def _raise_admission_cap(self) -> None:
         """Let a resident request that is skipped in this step not count.
@@ -175,6 +218,10 @@ class Step:
         if not rules.modes.adapter_fits(request, self.number, rules.host.running):
             return False
         user = user_of(request)
+        shares = self.token_shares
+        if shares is not None and shares.get(user, 0) <= 0:
+            self.deferred_users.add(user)
+            return False  # its user's share of the step's tokens is spent
         slots = self.slots
         if slots is not None and request.request_id in slots.preempted_ids:
             return False  # never resumed in the step that preempted it
