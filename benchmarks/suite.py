@@ -27,6 +27,7 @@ from benchmarks import (
     checkout,
     fair_shares,
     isolation,
+    prefill,
     scheduler_cost,
     speculative,
     store,
@@ -58,6 +59,7 @@ SECTIONS: dict[str, Measure] = {
     "fair_shares": fair_shares.run,
     "admission": admission.run,
     "cache_salt": cache_salt.run,
+    "prefill": prefill.run,
 }
 ON_SERVERS: dict[str, Callable[[ServerPool, bool], dict[str, Any]]] = {
     "isolation": isolation.isolation,

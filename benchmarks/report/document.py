@@ -24,6 +24,7 @@ from benchmarks.report import (
     fair_shares,
     history,
     isolation,
+    prefill,
     scheduler_cost,
     speculative,
     store,
@@ -41,6 +42,7 @@ SECTIONS: dict[str, ModuleType] = {
     "fair_shares": fair_shares,
     "admission": admission,
     "cache_salt": cache_salt,
+    "prefill": prefill,
 }
 
 

@@ -1,0 +1,236 @@
+"""A fair share of each step's tokens: a light user beside another user's
+long prompts, stock vLLM against ours (issue 38).
+
+1. **Servers** (``--max-num-seqs 64 --max-num-batched-tokens 512``, ours
+   with limits far above demand, so only the step's token shares act): the
+   light user sends short streamed requests (8 tokens out) one after
+   another, alone and then beside ``hog``, which keeps 16 requests of
+   ~600-token prompts of random words going (one token out each). Per
+   server: the light user's time to first token (p50, p95) and latency
+   (p50) at the client, alone and beside, and the hog's answers per second
+   beside. Stock and ours run one after the other with the same load.
+2. **Step cost with U = 1,000 users prefilling** (vLLM's real scheduler
+   and KV cache manager, no model): each user keeps one request of a
+   1,500-token prompt going, 8,192 tokens a step; ``schedule()`` of ours
+   (shares on, and off) against stock's, stepped side by side in shuffled
+   rounds; a ratio is the median over rounds of ours / stock in the same
+   round.
+
+``make bench``'s ``prefill`` section; alone: ``PYTHONPATH=tests:. python -m
+benchmarks.prefill [--quick]`` prints the results as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from benchmarks.kinds import FAR_LIMIT
+from benchmarks.measure import log
+from benchmarks.servers import START_TIMEOUT_S
+from vllm_output_rate.demo.server import running_server
+
+SERVER_ARGS = [
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "64",
+    "--max-num-batched-tokens",
+    "512",
+]
+SERVERS = {
+    "stock": ([], {"VLLM_PLUGINS": ""}),
+    "ours": (
+        ["--default-user-output-tokens-per-second", f"{FAR_LIMIT:g}"],
+        {"VLLM_PLUGINS": "output_rate,output_rate_http"},
+    ),
+}
+HOG_STREAMS = 16
+HOG_WORDS = 300  # about 600 prompt tokens on the tiny model
+LIGHT_REQUESTS = {True: 15, False: 40}  # quick, full
+WORDS = [f"w{i}" for i in range(5000)]
+# Step cost: users, prompt tokens each, the step's tokens, rounds.
+COST_USERS, COST_PROMPT, COST_BUDGET = 1_000, 1_500, 8_192
+COST_ROUNDS = {True: 20, False: 60}
+
+
+def _user(name: str) -> dict[str, Any]:
+    return {"vllm_xargs": {"output_rate_user": name}}
+
+
+async def _hog(client: AsyncOpenAI, model: str, stop: asyncio.Event) -> int:
+    answered = 0
+    rng = random.Random()
+    while not stop.is_set():
+        prompt = " ".join(rng.choice(WORDS) for _ in range(HOG_WORDS))
+        await client.completions.create(
+            model=model, prompt=prompt, max_tokens=1, extra_body=_user("hog")
+        )
+        answered += 1
+    return answered
+
+
+async def _light(
+    client: AsyncOpenAI, model: str, count: int
+) -> tuple[list[float], list[float]]:
+    ttfts, latencies = [], []
+    for _ in range(count):
+        started = time.monotonic()
+        first = None
+        stream = await client.completions.create(
+            model=model,
+            prompt="hello there",
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True, **_user("light")},
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices:
+                first = time.monotonic() - started
+        ttfts.append(first if first is not None else float("nan"))
+        latencies.append(time.monotonic() - started)
+    return ttfts, latencies
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _figures(ttfts: list[float], latencies: list[float]) -> dict[str, float]:
+    return {
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p95_s": _p(ttfts, 0.95),
+        "latency_p50_s": statistics.median(latencies),
+    }
+
+
+async def _measure_server(url: str, model: str, count: int) -> dict[str, Any]:
+    client = AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300
+    )
+    await _light(client, model, 5)  # warm-up
+    alone = _figures(*await _light(client, model, count))
+    stop = asyncio.Event()
+    hogs = [asyncio.create_task(_hog(client, model, stop)) for _ in range(HOG_STREAMS)]
+    await asyncio.sleep(3)  # the hog's prompts fill every step
+    started = time.monotonic()
+    beside = _figures(*await _light(client, model, count))
+    window = time.monotonic() - started
+    stop.set()
+    answered = sum(await asyncio.gather(*hogs))
+    await client.close()
+    return {
+        "alone": alone,
+        "beside": beside,
+        "ttft_p50_ratio": beside["ttft_p50_s"] / alone["ttft_p50_s"],
+        "ttft_p95_ratio": beside["ttft_p95_s"] / alone["ttft_p95_s"],
+        "latency_p50_ratio": beside["latency_p50_s"] / alone["latency_p50_s"],
+        "hog_answers_per_s": answered / window,
+    }
+
+
+def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, (flags, env) in SERVERS.items():
+        with running_server(
+            model,
+            [*SERVER_ARGS, *flags],
+            env=env,
+            start_timeout_s=START_TIMEOUT_S,
+            log_dir=work_dir / name,
+        ) as url:
+            log(f"prefill: {name} server up")
+            results[name] = asyncio.run(
+                _measure_server(str(url), model, LIGHT_REQUESTS[quick])
+            )
+    return results
+
+
+def _keep_prefilling(h: Any, seen: set[str]) -> None:
+    """Replace every finished request with a new one of its user."""
+    for request_id in [r for r in h.finished if r not in seen]:
+        seen.add(request_id)
+        h.add(h.users[request_id], prompt_len=COST_PROMPT, max_tokens=1)
+
+
+def step_cost(model: str, rounds: int) -> dict[str, Any]:
+    from harness.scheduler_sim import make_scheduler
+
+    limits: dict[str, Any] = {"default_user_output_tokens_per_second": FAR_LIMIT}
+    subjects: dict[str, tuple[Any, set[str]]] = {}
+    for name, config in (
+        ("stock", None),
+        ("ours", limits),
+        ("ours, shares off", {**limits, "fair_step_tokens": False}),
+    ):
+        h = make_scheduler(
+            model,
+            limits=config,
+            num_blocks=COST_USERS * (COST_PROMPT // 16 + 4),
+            max_num_seqs=COST_USERS,
+            max_num_batched_tokens=COST_BUDGET,
+        )
+        for u in range(COST_USERS):
+            h.add(f"user-{u}", prompt_len=COST_PROMPT, max_tokens=1)
+        for _ in range(4):
+            h.step(1_000_000)
+        subjects[name] = (h, set())
+    times: dict[str, list[int]] = {name: [] for name in subjects}
+    shared_steps = 0
+    order, rng = list(subjects), random.Random(7)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            h, seen = subjects[name]
+            _keep_prefilling(h, seen)
+            started = time.perf_counter_ns()
+            h.step(1_000_000)
+            times[name].append(time.perf_counter_ns() - started)
+            if name == "ours":
+                shared_steps += h.scheduler.output_rate.step.token_shares is not None
+    return {
+        "users": COST_USERS,
+        "prompt_tokens": COST_PROMPT,
+        "step_tokens": COST_BUDGET,
+        "rounds": rounds,
+        "shared_steps": shared_steps,
+        "subjects": {
+            name: {
+                "step_ms": statistics.median(ns) / 1e6,
+                "ratio": statistics.median(
+                    a / b for a, b in zip(ns, times["stock"], strict=True)
+                ),
+            }
+            for name, ns in times.items()
+        },
+    }
+
+
+def run(quick: bool, work_dir: Path) -> dict[str, Any]:
+    from vllm_output_rate.demo.tiny_model import build_tiny_model
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model = str(build_tiny_model())
+    return {
+        "hog_streams": HOG_STREAMS,
+        "light_requests": LIGHT_REQUESTS[quick],
+        "servers": servers(model, quick, work_dir),
+        "step_cost": step_cost(model, COST_ROUNDS[quick]),
+    }
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    quick = "--quick" in sys.argv[1:]
+    with tempfile.TemporaryDirectory(prefix="bench-prefill-") as folder:
+        print(json.dumps(run(quick, Path(folder)), indent=2))
