@@ -20,6 +20,8 @@ COLUMNS = {
     "saturated_engine": "saturated engine (fair shares)",
     "admission_server": "server with admission caps not binding",
     "cache_salt_latency": "later user's latency with the cache salt / without",
+    "prefill_ttft_ratio": "light TTFT beside a prefill hog / alone",
+    "prefill_step_cost": "step with 1,000 users prefilling",
 }
 
 

@@ -105,7 +105,9 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         "| scheduler | step ms | / stock |",
         "|---|---:|---:|",
     ]
-    for name, subject in cost["subjects"].items():
+    subjects = cost["subjects"]
+    for name in sorted(subjects, key=lambda name: (name != "stock", name)):
+        subject = subjects[name]
         lines.append(
             f"| {name} | {fmt(subject['step_ms'], 2)} | {fmt(subject['ratio'], 2)} |"
         )

@@ -24,6 +24,7 @@ from vllm_output_rate.validation import (
     check_object,
     validate_number,
     validate_rate,
+    validate_switch,
     validate_user_name,
 )
 
@@ -49,8 +50,7 @@ CAPACITY_KEY = "engine_capacity_tokens_per_second"
 # false: run every step on the reference path, without the speed-only
 # shortcuts (scheduling/shortcuts.py); the same decisions, more CPU.
 SHORTCUTS_KEY = "shortcuts"
-# false: vLLM sizes every prefill chunk, even when one user's prompts take
-# a whole step's token budget (scheduling/token_shares.py).
+# false: vLLM sizes every prefill chunk (scheduling/token_shares.py).
 FAIR_STEP_TOKENS_KEY = "fair_step_tokens"
 # The largest weight: a million times the default keeps virtual service
 # counters well inside a float's precision.
@@ -164,8 +164,7 @@ def validate_recent_users(value: object, where: str) -> int:
 
 @dataclass(frozen=True)
 class OutputRateSettings:
-    """Validated limits: a default rate and per-user overrides, in tok/s,
-    and which users get their own metrics label."""
+    """Validated settings: limits in tok/s, metrics labels, store, fairness."""
 
     default_rate: float
     user_rates: Mapping[str, float] = field(default_factory=dict)
@@ -179,9 +178,9 @@ class OutputRateSettings:
     user_weights: Mapping[str, float] = field(default_factory=dict)
     user_floors: Mapping[str, float] = field(default_factory=dict)
     engine_capacity: float | None = None
-    # The step's speed-only shortcuts (off: the reference path).
+    # The step's speed-only shortcuts (off: the reference path), and a fair
+    # share of each step's tokens when users' work exceeds them.
     shortcuts: bool = True
-    # A fair share of each step's tokens when users' work exceeds them.
     fair_step_tokens: bool = True
 
     def ceiling_of(self, user: str) -> float:
@@ -228,13 +227,10 @@ class OutputRateSettings:
             ),
             where,
         )
-        switches = {}
-        for key in (SHORTCUTS_KEY, FAIR_STEP_TOKENS_KEY):
-            switches[key] = section.get(key, True)
-            if not isinstance(switches[key], bool):
-                raise OutputRateConfigError(
-                    f"{where}[{key!r}] must be true or false, got {switches[key]!r}"
-                )
+        switches = {
+            key: validate_switch(section.get(key, True), f"{where}[{key!r}]")
+            for key in (SHORTCUTS_KEY, FAIR_STEP_TOKENS_KEY)
+        }
         settings = merge_settings(
             config_file=section.get(FILE_KEY),
             default_rate=section.get(DEFAULT_KEY),

@@ -84,3 +84,10 @@ def check_object(
             f"{where}: unknown keys {sorted(unknown)}; expected {list(allowed)}"
         )
     return value
+
+
+def validate_switch(value: object, where: str) -> bool:
+    """A setting that is on or off: JSON true or false, nothing else."""
+    if not isinstance(value, bool):
+        raise OutputRateConfigError(f"{where} must be true or false, got {value!r}")
+    return value

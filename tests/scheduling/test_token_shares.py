@@ -5,8 +5,10 @@ weights, Mamba-aligned chunks."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -168,3 +170,35 @@ def test_chunks_cut_to_a_share_end_on_a_mamba_block_boundary(limited) -> None:
         if not d.samples:
             assert computed[d.request_id] % HYBRID_BLOCK_SIZE == 0, d
     assert all(len(out) == 10 for out in h.outputs.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_steps_always_make_progress(limited, seed: int) -> None:
+    # Random users, prompts longer and shorter than the step, slot caps,
+    # scarce KV blocks and binding limits: every request ends, with all its
+    # tokens (a share that a grant or a cap cannot use must not stall it).
+    rng = random.Random(seed)
+    users = {
+        f"user-{i}": rng.choice([2.0, 20.0, FAR]) for i in range(rng.randint(2, 6))
+    }
+    h = limited(
+        FAR,
+        users,
+        weights={user: rng.choice([0.5, 1.0, 2.0]) for user in users},
+        num_blocks=rng.choice([200, 2_000]),
+        max_num_seqs=(seqs := rng.choice([4, 16, 64])),
+        max_num_active_seqs=rng.choice([2, seqs // 2, None]),
+        max_num_batched_tokens=rng.choice([64, 256, 512]),
+    )
+    expected = {}
+    for _ in range(40):
+        user = rng.choice(list(users))
+        request = h.add(
+            user,
+            prompt_len=rng.choice([4, 30, 300, 900]),
+            max_tokens=rng.randint(1, 20),
+        )
+        expected[request.request_id] = request.max_tokens
+    h.run_until_done(STEP_NS, max_steps=20_000)
+    for request_id, length in expected.items():
+        assert len(h.outputs[request_id]) == length, request_id

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from itertools import repeat
+from operator import floordiv, not_
 
 # A request served in the last step keeps its active slot (its turn) while
 # its user is within this many tokens (over its weight) of the user owed
@@ -119,18 +120,23 @@ class FairShare:
             last_served,
         )
 
-    def ranks(self, users: list[str]) -> list[tuple[int, float]]:
-        """Who goes first for a step's tokens, per user of ``users``: below
-        its floor, then the least weighted service (``key`` of its first
-        slot, without the tie-break: ``token_shares`` has its own)."""
-        services = self.services(users)
+    def ranks(
+        self, users: list[str], turn: float, allowance: Mapping[str, int]
+    ) -> Iterable[tuple[bool, bool, float]]:
+        """Who goes first for a step's tokens, per user of ``users``: a user
+        with ``allowance`` (tokens it may sample in the step) before one
+        without, below its floor, then the least weighted service, counted
+        in whole ``turn``s: users within a turn of each other tie
+        (``token_shares`` breaks ties by the least work, so a prompt begun
+        is finished before the next one of an equal user starts). Built
+        without a Python call per user."""
+        refused = map(not_, map(allowance.get, users, repeat(1)))
+        turns = map(floordiv, self.services(users), repeat(turn))
         credit = self._credit
         if not credit:
-            return [(1, service) for service in services]
-        return [
-            (0 if credit.get(user, 0.0) >= 1.0 else 1, service)
-            for user, service in zip(users, services, strict=True)
-        ]
+            return zip(refused, repeat(True), turns)
+        above = (credit.get(user, 0.0) < 1.0 for user in users)
+        return zip(refused, above, turns, strict=True)
 
     # ----- after a step -------------------------------------------------
 

@@ -37,7 +37,7 @@ from vllm.v1.request import Request
 
 from vllm_output_rate.scheduling import kv_room
 from vllm_output_rate.scheduling.demand import last_served_of, user_of
-from vllm_output_rate.scheduling.fair_share import TURN_TOKENS
+from vllm_output_rate.scheduling.fair_share import PREFILL_TOKEN_COST, TURN_TOKENS
 from vllm_output_rate.scheduling.ordering import rotate_within_groups, share_slots
 from vllm_output_rate.scheduling.token_shares import share_tokens, step_needs
 from vllm_output_rate.seams import num_free_kv_blocks, preempt
@@ -65,11 +65,15 @@ def crowded(policy: OutputRatePolicy) -> bool:
 
 
 def token_needs(
-    policy: OutputRatePolicy, budget: StepBudget, running_cap: int
+    policy: OutputRatePolicy,
+    budget: StepBudget,
+    running_cap: int,
+    granted: Mapping[str, int] | None = None,
 ) -> dict[str, int] | None:
     """What each user would compute in the step (``token_shares.py``),
     counted on the running list in its order with ``running_cap`` of them
-    taking an active slot; None when no share can be needed.
+    taking an active slot, and on the waiting requests the ranking
+    ``granted`` slots to, if it did; None when no share can be needed.
 
     Only looked at when prompt work is possible: the last step computed
     prompt tokens (a prefill may go on), or requests wait with a resident
@@ -91,6 +95,7 @@ def token_needs(
         kv_tokens=num_free_kv_blocks(host) * host.block_size,
         budget=host.max_num_scheduled_tokens,
         allowance=budget.reserved,
+        granted=granted,
     )
 
 
@@ -102,16 +107,47 @@ def token_shares(
     if not needs:
         return None
     fair, reserved = policy.fair, budget.reserved
-
-    def ranks(users: list[str]) -> list[tuple[float, ...]]:
-        return [
-            (0 if reserved.get(user, 1) else 1, *rank)
-            for user, rank in zip(users, fair.ranks(users), strict=True)
-        ]
-
+    tokens = policy.host.max_num_scheduled_tokens
+    # A prefill's turn: one step of prompt tokens, in service.
+    turn = PREFILL_TOKEN_COST * tokens
     return share_tokens(
-        needs, policy.host.max_num_scheduled_tokens, ranks, fair.weights_of
+        needs,
+        tokens,
+        lambda users: fair.ranks(users, turn, reserved),
+        fair.weights_of,
     )
+
+
+def plan_shared(
+    policy: OutputRatePolicy,
+    step: Step,
+    crowded: bool,
+    contested: bool,
+    needs: dict[str, int],
+    shares: dict[str, int],
+) -> None:
+    """Plan a step whose tokens are shared (``needs``, ``shares``): as any
+    contested step if it is one for other reasons (rules 1 and 2), then
+    rule 3, counted again on the running list as planned when the plan may
+    have changed it."""
+    host = policy.host
+    if contested:
+        reorders = crowded or policy.order_running
+        resident = len(host.running)
+        plan_contested(policy, step, crowded)
+        granted = step.slots.granted if step.slots is not None else None
+        if (
+            reorders
+            or len(host.running) != resident  # residents reclaimed
+            or step.running_cap != step.active_cap
+            or granted is not None
+        ):
+            counted = token_needs(policy, step.budget, step.running_cap, granted)
+            shared = token_shares(policy, step.budget, counted)
+            if not counted or not shared:
+                return
+            needs, shares = counted, shared
+    give_token_shares(policy, step, needs, shares)
 
 
 def give_token_shares(

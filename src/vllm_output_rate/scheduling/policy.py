@@ -187,39 +187,24 @@ class OutputRatePolicy(OperatorView):
             self._max_tokens_per_step,
         )
         crowded = planning.crowded(self)
+        contested = (
+            not budget.covers_demand or len(host.running) > self.active_cap or crowded
+        )
         needs = planning.token_needs(self, budget, self.active_cap)
         shares = planning.token_shares(self, budget, needs)
-        contested = (
-            not budget.covers_demand
-            or len(host.running) > self.active_cap
-            or crowded
-            or shares is not None
-        )
         host.max_num_active_reqs = self.active_cap
         step = self.step = Step(
             self.steps,
-            StepMode.CONTESTED if contested else StepMode.UNCONTESTED,
+            StepMode.CONTESTED if contested or shares else StepMode.UNCONTESTED,
             budget,
             self._rules,
             self.active_cap,
             self.active_cap,
         )
-        if shares is not None and needs is not None:
+        if needs and shares:
             # The shortcuts keep or rank batches of whole chunks: a step
             # whose tokens are shared runs on the reference path.
-            reorders = crowded or self.order_running
-            resident = len(host.running)
-            planning.plan_contested(self, step, crowded)
-            if (
-                reorders
-                or len(host.running) != resident  # residents reclaimed
-                or step.running_cap != self.active_cap
-            ):
-                # Counted again on the running list as planned.
-                needs = planning.token_needs(self, budget, step.running_cap)
-                shares = planning.token_shares(self, budget, needs)
-            if shares is not None and needs is not None:
-                planning.give_token_shares(self, step, needs, shares)
+            planning.plan_shared(self, step, crowded, contested, needs, shares)
         elif not self.shortcuts.plan(self, step, crowded) and contested:
             planning.plan_contested(self, step, crowded)
         return step

@@ -10,16 +10,15 @@ them. When the users' work in a step exceeds the budget, the step shares it:
   chunks of its running requests that take an active slot (without the
   sampling position beyond what the user may sample in the step), and the
   prompts of the waiting requests that the free active and resident slots
-  and KV blocks could admit (per user with budget, at most as many as slots
-  are free);
+  and KV blocks could admit (per user with budget, as many as the ranking
+  granted it, else at most as many as slots are free);
 * ``share_tokens``: the budget goes to the users in order, each getting
-  all it needs (the last one the rest): users with budget before users
-  without (whose prompts may only be prefilled ahead), then the users
-  ranked ahead by the fair shares (below their floor, then least weighted
-  service: ``fair_share.FairShare.ranks``), and among equals the least
-  work per weight first. The shares add up to the whole budget: nothing is
-  left unused unless a user computes less than counted (a prefix-cache
-  hit, a request that finds no resident slot or KV blocks).
+  all it needs (the last one the rest): as ``fair_share.FairShare.ranks``
+  orders them (users with budget first, below their floor, then least
+  weighted service in whole prefill turns), then the least work per
+  weight, then the order of vLLM's lists. The shares add up to the whole
+  budget: nothing is left unused unless a user computes less than counted
+  (a prefix-cache hit, a request that finds no resident slot or KV blocks).
 
 The step then trims each chunk to what is left of its user's share and keeps
 a user's waiting requests queued when nothing is left (``step.Step``). The
@@ -59,12 +58,14 @@ def step_needs(
     kv_tokens: int,
     budget: int,
     allowance: Mapping[str, int],
+    granted: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Tokens each user would compute in the step: the running requests in
     list order until ``running_slots`` of them have work, then, while their
     chunks fit in ``kv_tokens``, per user at most as many waiting requests
-    as slots are left (of ``active_slots``, and free of ``resident_slots``)
-    if it has ``allowance`` (tokens it may sample in the step) left. A
+    as slots are left (of ``active_slots``, and free of ``resident_slots``;
+    or as many as the ranking ``granted`` it) if it has ``allowance``
+    (tokens it may sample in the step) left. A
     request that would sample beyond its user's allowance counts without its
     sampling position. Each count is at most ``budget``: no chunk is
     larger."""
@@ -95,7 +96,8 @@ def step_needs(
         get = needs.get
         for user, count, computed in map(_waiting, waiting):
             taken = admissible.get(user, 0)
-            if taken < free_slots and left.get(user, 1) > 0:
+            most = free_slots if granted is None else granted.get(user, 0)
+            if taken < most and left.get(user, 1) > 0:
                 admissible[user] = taken + 1
                 count -= computed
                 if count > 0:
@@ -115,20 +117,23 @@ def share_tokens(
 ) -> dict[str, int] | None:
     """Each user's tokens of the step's ``budget``; None when the needs fit
     in it (nobody needs a share). ``ranks`` and ``weights`` give those of a
-    list of users, in its order."""
+    list of users, in its order. Full ties go in the order of ``needs``."""
     if sum(needs.values()) <= budget:
         return None
     users = list(needs)
+    # Full ties go in the order of ``needs`` (vLLM's: running, then queue),
+    # so that vLLM's loops meet the users with a share first.
     order = sorted(
         zip(
             ranks(users),
             map(truediv, map(needs.__getitem__, users), weights(users)),
+            range(len(users)),
             users,
-            strict=True,
+            strict=False,
         )
     )
     shares = dict.fromkeys(users, 0)
-    for _, _, user in order:
+    for _, _, _, user in order:
         share = shares[user] = min(needs[user], budget)
         budget -= share
         if not budget:
