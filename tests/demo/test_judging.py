@@ -228,6 +228,37 @@ class TestJudging:
         table = format_table([SceneResult.judge(scene, stock, limited)])
         assert "2 +18 503 → 30" in table
 
+    def test_where_prefill_is_scarce_the_light_user_is_judged_by_first_token(
+        self,
+    ) -> None:
+        # Each of its later tokens waits for a full step either way: a rate
+        # no better with limits does not count, a first token no better does.
+        scene = dataclasses.replace(SCENE, light_measure="first-token")
+        limited = dataclasses.replace(LIMITED, users=dict(LIMITED.users))
+        limited.users["light"] = dataclasses.replace(
+            limited.users["light"], rate_engine=1.0, rate_client=1.0
+        )
+        light = judge_scene(scene, STOCK, limited)[0]
+        assert light.good and light.short == "better"
+        slower = dataclasses.replace(limited, users=dict(limited.users))
+        slower.users["light"] = dataclasses.replace(
+            limited.users["light"], ttft_client_s=5.0
+        )
+        light = judge_scene(scene, STOCK, slower)[0]
+        assert light.text == "NOT better with limits: first token at the client"
+
+    def test_without_a_throttled_user_the_headline_does_not_name_one(self) -> None:
+        scene = dataclasses.replace(
+            SCENE, users=tuple(u for u in SCENE.users if u.role != "throttled")
+        )
+        stock = dataclasses.replace(STOCK, users={"light": STOCK.users["light"]})
+        limited = dataclasses.replace(LIMITED, users={"light": LIMITED.users["light"]})
+        text = headline([SceneResult.judge(scene, stock, limited)])
+        assert text == (
+            "In this scene, the light user came out better with limits, "
+            "and no request failed."
+        )
+
     def test_refused_requests_alone_do_not_break_the_demo(self) -> None:
         refused = figures(
             0.02, 150.0, 5.0, limited=True, hog_outcomes=Outcomes(30, 9, [])

@@ -26,7 +26,7 @@ def scene(*users: DemoUser, **kwargs: object) -> Scene:
 
 
 def test_every_scene_judges_a_light_user_and_has_a_unique_key() -> None:
-    assert [s.key for s in SCENES] == ["kv-blocks", "resident-slots", "queue-places"]
+    assert [s.key for s in SCENES] == ["kv-blocks", "prefill-tokens", "queue-places"]
     for s in SCENES:
         assert [u.role for u in s.users].count("light") == 1
         assert scene_by_key(s.key) is s
@@ -109,7 +109,8 @@ def test_both_servers_flags_make_the_engine_the_scene_declares(
         )
     if s.key == "kv-blocks":
         assert config.cache_config.num_gpu_blocks_override == 40
-    elif s.key == "resident-slots":
-        assert config.scheduler_config.max_num_seqs == 8
+    elif s.key == "prefill-tokens":
+        assert config.scheduler_config.max_num_batched_tokens == 512
+        assert not config.cache_config.enable_prefix_caching
     else:
         assert args.max_num_queued_reqs == 16

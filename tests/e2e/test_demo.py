@@ -30,19 +30,31 @@ def play(
     return out, scene["stock"]["users"], scene["limited"]["users"]
 
 
-def test_resident_slots_scene_light_user_better_hog_at_its_limit(
+def test_kv_blocks_scene_light_user_better_hog_at_its_limit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out, stock, limited = play("resident-slots", tmp_path, capsys)
+    out, stock, limited = play("kv-blocks", tmp_path, capsys)
     for users in (stock, limited):
         assert all(not u["outcomes"]["failed"] for u in users.values())
-    # The scarcity is strong: on stock vLLM the light user waits behind the
-    # hog's queued requests (a second or two here), with limits it gets a
-    # slot at once.
+    # On stock vLLM the light user waits for KV blocks the hog's requests
+    # hold (hundreds of ms); with limits it gets them back at once.
     light_ttft = (stock["light"]["ttft_engine_s"], limited["light"]["ttft_engine_s"])
     assert light_ttft[1] < light_ttft[0] / 3, out
     assert limited["hog"]["bound_held"] is True, out
     assert limited["hog"]["rate_engine"] >= 0.9 * limited["hog"]["limit"], out
+    assert "the light user came out better with limits" in out
+
+
+def test_prefill_tokens_scene_light_users_first_token_not_behind_long_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, stock, limited = play("prefill-tokens", tmp_path, capsys)
+    for users in (stock, limited):
+        assert all(not u["outcomes"]["failed"] for u in users.values())
+    # Nobody is throttled: the step's token shares alone put the light
+    # user's prompt into the next step instead of behind the hog's.
+    light_ttft = (stock["light"]["ttft_engine_s"], limited["light"]["ttft_engine_s"])
+    assert light_ttft[1] < light_ttft[0] / 3, out
     assert "the light user came out better with limits" in out
 
 

@@ -109,9 +109,10 @@ def _others_panel(ax: Any, result: SceneResult) -> None:
     limits = [result.limited.users[n].rate_engine for n in names]
     _bars(ax, names, stock, limits, "")
     ax.set_yscale("log")
+    throttled = {u.name for u in result.scene.with_role("throttled")}
     for x, name in enumerate(names):
         limit = result.limited.users[name].limit
-        if limit is not None:
+        if limit is not None and name in throttled:  # a limit that binds
             ax.hlines(limit, x - WIDTH, x + WIDTH, colors=LIMIT_LINE, linestyles="--")
             ax.annotate(
                 f"limit {limit:g}",
@@ -138,7 +139,8 @@ def plot_demo(results: Sequence[SceneResult], path: Path) -> Path:
         flags = " ".join(result.scene.server_args)
         row.suptitle(f"{result.scene.title}   ({flags})", fontweight="bold")
         others = ", ".join(u.name for u in result.scene.users if u.role != "light")
-        others_ax.set_title(f"{others}: tok/s (log), limit dashed", fontsize="medium")
+        limits = "limit dashed" if result.scene.with_role("throttled") else "no limit"
+        others_ax.set_title(f"{others}: tok/s (log), {limits}", fontsize="medium")
         for ax in (ttft_ax, rate_ax, others_ax):
             ax.grid(True, axis="y", alpha=0.3)
         rate_ax.legend(loc="upper left", fontsize="small")

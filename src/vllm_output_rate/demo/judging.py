@@ -4,8 +4,10 @@
 
 * light: *better with limits* when, with limits, its time to first token
   (p50) is lower and its rate higher, at the engine and at the client; in a
-  scene about the queue (``light_measure`` "answers"), when a larger share
-  of its requests is answered;
+  scene about prefill (``light_measure`` "first-token"), its time to first
+  token alone (every later token waits for a full step either way); in a
+  scene about the queue ("answers"), when a larger share of its requests
+  is answered;
 * throttled: *at its limit* when its engine rate over the window is at least
   ``AT_LIMIT`` of its limit; the bound, checked at the engine on every pair
   of the plugin's stats readings, must hold for every user with a limit;
@@ -45,13 +47,18 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:,.0f} ms"
 
 
-def light_verdict(stock: UserFigures, limited: UserFigures) -> tuple[bool, str, str]:
+def light_verdict(
+    stock: UserFigures, limited: UserFigures, *, rate: bool = True
+) -> tuple[bool, str, str]:
     checks = [
         ("first token at the engine", stock.ttft_engine_s, limited.ttft_engine_s, -1),
         ("first token at the client", stock.ttft_client_s, limited.ttft_client_s, -1),
-        ("rate at the engine", stock.rate_engine, limited.rate_engine, 1),
-        ("rate at the client", stock.rate_client, limited.rate_client, 1),
     ]
+    if rate:
+        checks += [
+            ("rate at the engine", stock.rate_engine, limited.rate_engine, 1),
+            ("rate at the client", stock.rate_client, limited.rate_client, 1),
+        ]
     worse = [
         name
         for name, before, after, sign in checks
@@ -111,7 +118,8 @@ def judge_user(
     if user.role == "light" and scene.light_measure == "answers":
         good, short, text = answers_verdict(before, after)
     elif user.role == "light":
-        good, short, text = light_verdict(before, after)
+        rate = scene.light_measure == "latency"
+        good, short, text = light_verdict(before, after, rate=rate)
     elif user.role == "throttled":
         good, short, text = throttled_verdict(after)
     notes = [text]
@@ -182,9 +190,11 @@ def headline(results: list[SceneResult]) -> str:
     where = f"each of the {len(results)} scenes" if len(results) > 1 else "this scene"
     lost = [r.scene.title for r in results if not all(v.good for v in r.verdicts)]
     if not lost:
+        throttled = any(r.scene.with_role("throttled") for r in results)
         return (
-            f"In {where}, the light user came out better with limits, the "
-            "throttled user got its limit, and no request failed."
+            f"In {where}, the light user came out better with limits, "
+            + ("the throttled user got its limit, " if throttled else "")
+            + "and no request failed."
         )
     return (
         f"Not as promised in {len(lost)} of {len(results)} scenes: {', '.join(lost)}."

@@ -15,11 +15,13 @@ A 429 answered to a user declared ``refusable`` is its own excess refused by
 design (per-user admission caps); a 503 on stock vLLM is its queue caps
 full, what a scene about the queue shows; any other failed request (a 503
 with limits included) fails the demo. A scene judges its light user by
-``light_measure``: ``latency`` (time to first token and rate) or, where the
-queue is scarce, ``answers`` (the share of its requests answered). Adding a
+``light_measure``: ``latency`` (time to first token and rate),
+``first-token`` where prefill is scarce (its later tokens wait for full
+steps either way) or, where the queue is scarce, ``answers`` (the share of
+its requests answered). Adding a
 scene is adding one ``Scene(...)`` to ``SCENES``; with limits, every user
 not given a limit of its own gets ``default_limit``, and ``limited_args``
-adds the plugin's other flags (caps, prompt limits).
+adds the plugin's other flags (caps).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from vllm_output_rate.loadtest import DEFAULT_PROMPT
 
 Role = Literal["light", "throttled", "other"]
 ROLES: tuple[Role, ...] = ("light", "throttled", "other")
-LightMeasure = Literal["latency", "answers"]
-LIGHT_MEASURES: tuple[LightMeasure, ...] = ("latency", "answers")
+LightMeasure = Literal["latency", "first-token", "answers"]
+LIGHT_MEASURES: tuple[LightMeasure, ...] = ("latency", "first-token", "answers")
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class Scene:
 # scarce resource is taken (2 s in), far below its limit (the default).
 LIGHT = DemoUser("light", "light", streams=1, max_tokens=30, start_after_s=2.0)
 
+# About 600 tokens on the tiny model.
+LONG_PROMPT = " ".join(f"w{i}" for i in range(180))
+
 SCENES: tuple[Scene, ...] = (
     Scene(
         key="kv-blocks",
@@ -131,16 +136,22 @@ SCENES: tuple[Scene, ...] = (
         ),
     ),
     Scene(
-        key="resident-slots",
-        title="Resident slots scarce",
-        # 8 resident slots for the hog's 24 streams: it holds every slot and
-        # keeps 16 requests waiting, so that the slots stay taken even when
-        # its client is slow to send the next request (a busy API server).
-        server_args=("--max-num-seqs", "8"),
+        key="prefill-tokens",
+        title="Prefill tokens scarce",
+        # 512 tokens a step, and the prefix cache off, so that each of the
+        # hog's prompts is computed whole (as distinct prompts would be):
+        # its 16 streams of ~600-token prompts, one token out each, fill
+        # every step. No limit binds: on stock vLLM the light user's request
+        # waits until the prompts ahead are computed; with limits it gets
+        # its share of the next step.
+        server_args=("--max-num-batched-tokens", "512", "--no-enable-prefix-caching"),
         users=(
-            LIGHT,
-            DemoUser("hog", "throttled", streams=24, max_tokens=40, limit=5),
+            # Short answers: each of its tokens waits for a full step in
+            # both runs; what the scene shows is its first one.
+            dataclasses.replace(LIGHT, max_tokens=8),
+            DemoUser("hog", "other", streams=16, max_tokens=1, prompt=LONG_PROMPT),
         ),
+        light_measure="first-token",
     ),
     Scene(
         key="queue-places",
