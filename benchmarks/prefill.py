@@ -36,6 +36,7 @@ from openai import AsyncOpenAI
 from benchmarks.kinds import FAR_LIMIT
 from benchmarks.measure import log
 from benchmarks.servers import START_TIMEOUT_S
+from harness.prefill_load import HOG_STREAMS, light_requests, start_hog
 from vllm_output_rate.demo.server import running_server
 
 SERVER_ARGS = [
@@ -53,51 +54,10 @@ SERVERS = {
         {"VLLM_PLUGINS": "output_rate,output_rate_http"},
     ),
 }
-HOG_STREAMS = 16
-HOG_WORDS = 300  # about 600 prompt tokens on the tiny model
 LIGHT_REQUESTS = {True: 15, False: 40}  # quick, full
-WORDS = [f"w{i}" for i in range(5000)]
 # Step cost: users, prompt tokens each, the step's tokens, rounds.
 COST_USERS, COST_PROMPT, COST_BUDGET = 1_000, 1_500, 8_192
 COST_ROUNDS = {True: 20, False: 60}
-
-
-def _user(name: str) -> dict[str, Any]:
-    return {"vllm_xargs": {"output_rate_user": name}}
-
-
-async def _hog(client: AsyncOpenAI, model: str, stop: asyncio.Event) -> int:
-    answered = 0
-    rng = random.Random()
-    while not stop.is_set():
-        prompt = " ".join(rng.choice(WORDS) for _ in range(HOG_WORDS))
-        await client.completions.create(
-            model=model, prompt=prompt, max_tokens=1, extra_body=_user("hog")
-        )
-        answered += 1
-    return answered
-
-
-async def _light(
-    client: AsyncOpenAI, model: str, count: int
-) -> tuple[list[float], list[float]]:
-    ttfts, latencies = [], []
-    for _ in range(count):
-        started = time.monotonic()
-        first = None
-        stream = await client.completions.create(
-            model=model,
-            prompt="hello there",
-            max_tokens=8,
-            stream=True,
-            extra_body={"ignore_eos": True, **_user("light")},
-        )
-        async for chunk in stream:
-            if first is None and chunk.choices:
-                first = time.monotonic() - started
-        ttfts.append(first if first is not None else float("nan"))
-        latencies.append(time.monotonic() - started)
-    return ttfts, latencies
 
 
 def _p(values: list[float], q: float) -> float:
@@ -117,13 +77,13 @@ async def _measure_server(url: str, model: str, count: int) -> dict[str, Any]:
     client = AsyncOpenAI(
         base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300
     )
-    await _light(client, model, 5)  # warm-up
-    alone = _figures(*await _light(client, model, count))
+    await light_requests(client, model, 5)  # warm-up
+    alone = _figures(*await light_requests(client, model, count))
     stop = asyncio.Event()
-    hogs = [asyncio.create_task(_hog(client, model, stop)) for _ in range(HOG_STREAMS)]
+    hogs = start_hog(client, model, stop)
     await asyncio.sleep(3)  # the hog's prompts fill every step
     started = time.monotonic()
-    beside = _figures(*await _light(client, model, count))
+    beside = _figures(*await light_requests(client, model, count))
     window = time.monotonic() - started
     stop.set()
     answered = sum(await asyncio.gather(*hogs))

@@ -15,13 +15,12 @@ within a step or two of alone's.
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
-import time
 
 import pytest
 from openai import AsyncOpenAI
 
+from harness.prefill_load import HOG_STREAMS, light_requests, start_hog
 from vllm_output_rate.demo.server import running_server
 
 pytestmark = pytest.mark.e2e
@@ -36,8 +35,6 @@ ARGS = [
     "--default-user-output-tokens-per-second",
     "100000",
 ]
-HOG_STREAMS = 16
-WORDS = [f"w{i}" for i in range(5000)]
 LIGHT_REQUESTS = 20
 # A step of 512 prompt tokens takes ~15 ms on this machine, one of a few
 # tokens ~2 ms: beside the hog the light user's first token waits for the
@@ -46,53 +43,16 @@ LIGHT_REQUESTS = 20
 MARGIN_S = 0.05
 
 
-def user(name: str) -> dict[str, object]:
-    return {"vllm_xargs": {"output_rate_user": name}}
-
-
-async def hog_loop(client: AsyncOpenAI, model: str, stop: asyncio.Event) -> int:
-    answered = 0
-    while not stop.is_set():
-        prompt = " ".join(random.choice(WORDS) for _ in range(300))
-        await client.completions.create(
-            model=model, prompt=prompt, max_tokens=1, extra_body=user("hog")
-        )
-        answered += 1
-    return answered
-
-
-async def light_ttfts(client: AsyncOpenAI, model: str, count: int) -> list[float]:
-    ttfts = []
-    for _ in range(count):
-        started = time.monotonic()
-        first = None
-        stream = await client.completions.create(
-            model=model,
-            prompt="hello there",
-            max_tokens=8,
-            stream=True,
-            extra_body={"ignore_eos": True, **user("light")},
-        )
-        async for chunk in stream:
-            if first is None and chunk.choices:
-                first = time.monotonic() - started
-        assert first is not None
-        ttfts.append(first)
-    return ttfts
-
-
 async def alone_and_beside(url: str, model: str) -> tuple[list[float], list[float]]:
     client = AsyncOpenAI(
         base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
     )
-    await light_ttfts(client, model, 5)  # warm-up
-    alone = await light_ttfts(client, model, LIGHT_REQUESTS)
+    await light_requests(client, model, 5)  # warm-up
+    alone, _ = await light_requests(client, model, LIGHT_REQUESTS)
     stop = asyncio.Event()
-    hogs = [
-        asyncio.create_task(hog_loop(client, model, stop)) for _ in range(HOG_STREAMS)
-    ]
+    hogs = start_hog(client, model, stop)
     await asyncio.sleep(3)  # the hog's prompts fill every step
-    beside = await light_ttfts(client, model, LIGHT_REQUESTS)
+    beside, _ = await light_requests(client, model, LIGHT_REQUESTS)
     stop.set()
     answered = await asyncio.gather(*hogs)
     assert sum(answered) > HOG_STREAMS  # the hog was served all along

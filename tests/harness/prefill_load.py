@@ -1,0 +1,67 @@
+"""A prefill hog and a light user, through the official OpenAI client: the
+load of issue 38's reproduction, shared by its end-to-end test and its
+benchmark (``benchmarks/prefill.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from openai import AsyncOpenAI
+
+HOG_STREAMS = 16
+HOG_WORDS = 300  # about 600 prompt tokens on the tiny model
+# Random words, so that the prefix cache cannot help the hog.
+WORDS = [f"w{i}" for i in range(5000)]
+
+
+def user(name: str) -> dict[str, Any]:
+    return {"vllm_xargs": {"output_rate_user": name}}
+
+
+async def hog_loop(client: AsyncOpenAI, model: str, stop: asyncio.Event) -> int:
+    """One of the hog's streams: long distinct prompts, one token out each,
+    until ``stop``; returns how many were answered."""
+    answered = 0
+    rng = random.Random()
+    while not stop.is_set():
+        prompt = " ".join(rng.choice(WORDS) for _ in range(HOG_WORDS))
+        await client.completions.create(
+            model=model, prompt=prompt, max_tokens=1, extra_body=user("hog")
+        )
+        answered += 1
+    return answered
+
+
+async def light_requests(
+    client: AsyncOpenAI, model: str, count: int
+) -> tuple[list[float], list[float]]:
+    """``count`` short streamed requests (8 tokens out) one after another:
+    each one's time to first token and latency, in seconds."""
+    ttfts, latencies = [], []
+    for _ in range(count):
+        started = time.monotonic()
+        first = None
+        stream = await client.completions.create(
+            model=model,
+            prompt="hello there",
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True, **user("light")},
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices:
+                first = time.monotonic() - started
+        ttfts.append(first if first is not None else float("nan"))
+        latencies.append(time.monotonic() - started)
+    return ttfts, latencies
+
+
+def start_hog(
+    client: AsyncOpenAI, model: str, stop: asyncio.Event
+) -> list[asyncio.Task[int]]:
+    return [
+        asyncio.create_task(hog_loop(client, model, stop)) for _ in range(HOG_STREAMS)
+    ]
