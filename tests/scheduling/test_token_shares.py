@@ -202,3 +202,30 @@ def test_shared_steps_always_make_progress(limited, seed: int) -> None:
     h.run_until_done(STEP_NS, max_steps=20_000)
     for request_id, length in expected.items():
         assert len(h.outputs[request_id]) == length, request_id
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["chunked-mm", "whole-images"])
+def test_cut_chunks_run_each_image_encoder_once(limited, split: bool) -> None:
+    # Images in long prompts of one user beside another user's short ones,
+    # 128 tokens a step: chunks are cut to shares (not through an image
+    # that must not be split: EngineModes.may_cut), and each image's
+    # encoder runs once.
+    h = limited(
+        FAR,
+        encoder_budget=400,
+        disable_chunked_mm_input=not split,
+        max_num_batched_tokens=128,
+    )
+    images = [(20, 60), (100, 60)]
+    heavy = [
+        h.add("a", prompt_len=200, max_tokens=4, mm_placeholders=images)
+        for _ in range(3)
+    ]
+    light = [h.add("b", prompt_len=20, max_tokens=8) for _ in range(3)]
+    h.run_until_done(STEP_NS)
+    runs = Counter(h.encoder_scheduled)
+    for request in heavy:
+        assert runs[request.request_id] == 2
+        assert len(h.outputs[request.request_id]) == 4
+    for request in light:
+        assert len(h.outputs[request.request_id]) == 8

@@ -10,6 +10,8 @@ the engine's modes and answers:
   sampling position is inside a placeholder of multimodal input that must
   not be chunked (``split_mm_inputs=False``), or for a seeded request on CPU
   (``seeded_partial_prefill`` off: its generator cannot be rewound);
+* ``may_cut``: whether a chunk may be cut to a user's share of the step
+  (not through an image that must not be split);
 * ``may_only_run_by_sampling``: whether admitting a waiting request could
   leave only its sampling position (a prefix-cache or KV-connector hit);
 * ``adapter_fits``: whether ``--max-loras`` holds with every resident
@@ -71,6 +73,18 @@ class EngineModes:
                 if position.offset < stop < position.offset + position.length:
                     return 0
         return stop
+
+    def may_cut(self, request: Request, start: int, end: int) -> bool:
+        """Whether a chunk vLLM sized from ``start`` to ``end`` may be cut
+        short: not when multimodal input must not be chunked and an image
+        lies in it (vLLM planned the chunk's encoder runs before the hook)."""
+        if self.split_mm_inputs:
+            return True
+        for feature in request.mm_features:
+            position = feature.mm_position
+            if position.offset < end and start < position.offset + position.length:
+                return False
+        return True
 
     def may_only_run_by_sampling(self, request: Request) -> bool:
         """Whether admitting this waiting request could leave nothing to

@@ -179,18 +179,22 @@ class Step:
         """The chunk trimmed to what is left of its user's share of the
         step's tokens (0: none of it runs). It stops where a prefill may
         stop without sampling (``EngineModes.hold_back_end``), or keeps its
-        sampling position and fewer draft tokens. A waiting request's chunk
+        sampling position and fewer draft tokens; it is not cut where an
+        image must not be split (``EngineModes.may_cut``). A waiting request's chunk
         that cannot stop inside the share runs whole: vLLM ends its waiting
         scan at a chunk of 0 tokens."""
         assert self.token_shares is not None
         user = user_of(request)
         self.deferred_users.add(user)  # cut short: backlogged in the step
         left = self.token_shares.get(user, 0)
-        if left > 0:
+        modes = self.rules.modes
+        if left > 0 and modes.may_cut(
+            request, num_computed_tokens, num_computed_tokens + num_new_tokens
+        ):
             limit = num_computed_tokens + left
             if limit >= end:
                 return left
-            stop = self.rules.modes.hold_back_end(request, end, limit)
+            stop = modes.hold_back_end(request, end, limit)
             if stop > num_computed_tokens:
                 return stop - num_computed_tokens
         if not in_running_loop:
