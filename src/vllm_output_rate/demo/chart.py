@@ -109,6 +109,10 @@ def _others_panel(ax: Any, result: SceneResult) -> None:
     limits = [result.limited.users[n].rate_engine for n in names]
     _bars(ax, names, stock, limits, "")
     ax.set_yscale("log")
+    shown = [v for v in (*stock, *limits) if v is not None and v > 0]
+    if shown:
+        # A decade at least either side: close rates must look close.
+        ax.set_ylim(min(shown) / 10, max(shown) * 10)
     throttled = {u.name for u in result.scene.with_role("throttled")}
     for x, name in enumerate(names):
         limit = result.limited.users[name].limit
