@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ import vllm_output_rate
 from benchmarks import batch_changes
 from benchmarks.engine_throughput import engine_throughput
 from benchmarks.kinds import FAIRNESS, FAR_LIMIT, SATURATED_LIMITS
-from benchmarks.measure import log, median, wait_until_drained
+from benchmarks.measure import against_stock, log, median, wait_until_drained
 from harness.bounds import S as NS_PER_S
 from harness.shares import served_window
 
@@ -274,13 +273,10 @@ def ranking_cost(model: str, requests: int, rounds: int) -> dict[str, Any]:
         "rounds": rounds,
         "subjects": {
             name: {
-                "step_ms": statistics.median(ns) / 1e6,
-                "ratio": statistics.median(
-                    a / b for a, b in zip(ns, times["stock"], strict=True)
-                ),
+                **figures,
                 "plugin_calls_per_step": plugin_calls_per_step(subjects[name]),
             }
-            for name, ns in times.items()
+            for name, figures in against_stock(times).items()
         },
     }
 

@@ -10,7 +10,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import httpx
 
@@ -35,6 +35,20 @@ def quartiles(values: Sequence[float | None]) -> tuple[float, float]:
     if not xs:
         return float("nan"), float("nan")
     return percentile(xs, 25), percentile(xs, 75)
+
+
+def against_stock(times_ns: Mapping[str, Sequence[int]]) -> dict[str, dict[str, float]]:
+    """Step times of schedulers stepped side by side (one sample each per
+    round, ``"stock"`` among them): per scheduler its median step in ms and
+    the median over rounds of its step / stock's in the same round."""
+    stock = times_ns["stock"]
+    return {
+        name: {
+            "step_ms": statistics.median(ns) / 1e6,
+            "ratio": statistics.median(a / b for a, b in zip(ns, stock, strict=True)),
+        }
+        for name, ns in times_ns.items()
+    }
 
 
 def median_us(samples_ns: Sequence[int]) -> float:

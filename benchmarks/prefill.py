@@ -34,19 +34,17 @@ from typing import Any
 from openai import AsyncOpenAI
 
 from benchmarks.kinds import FAR_LIMIT
-from benchmarks.measure import log
+from benchmarks.measure import against_stock, log
 from benchmarks.servers import START_TIMEOUT_S
-from harness.prefill_load import HOG_STREAMS, light_requests, start_hog
+from harness.prefill_load import (
+    ENGINE_ARGS,
+    HOG_STREAMS,
+    light_requests,
+    start_hog,
+)
 from vllm_output_rate.demo.server import running_server
+from vllm_output_rate.loadtest.summary import percentile
 
-SERVER_ARGS = [
-    "--max-model-len",
-    "2048",
-    "--max-num-seqs",
-    "64",
-    "--max-num-batched-tokens",
-    "512",
-]
 SERVERS = {
     "stock": ([], {"VLLM_PLUGINS": ""}),
     "ours": (
@@ -60,15 +58,10 @@ COST_USERS, COST_PROMPT, COST_BUDGET = 1_000, 1_500, 8_192
 COST_ROUNDS = {True: 20, False: 60}
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _figures(ttfts: list[float], latencies: list[float]) -> dict[str, float]:
+def _figures(ttfts: list[float], latencies: list[float]) -> dict[str, float | None]:
     return {
         "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p95_s": _p(ttfts, 0.95),
+        "ttft_p95_s": percentile(ttfts, 95),
         "latency_p50_s": statistics.median(latencies),
     }
 
@@ -103,7 +96,7 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     for name, (flags, env) in SERVERS.items():
         with running_server(
             model,
-            [*SERVER_ARGS, *flags],
+            [*ENGINE_ARGS, *flags],
             env=env,
             start_timeout_s=START_TIMEOUT_S,
             log_dir=work_dir / name,
@@ -163,15 +156,7 @@ def step_cost(model: str, rounds: int) -> dict[str, Any]:
         "step_tokens": COST_BUDGET,
         "rounds": rounds,
         "shared_steps": shared_steps,
-        "subjects": {
-            name: {
-                "step_ms": statistics.median(ns) / 1e6,
-                "ratio": statistics.median(
-                    a / b for a, b in zip(ns, times["stock"], strict=True)
-                ),
-            }
-            for name, ns in times.items()
-        },
+        "subjects": against_stock(times),
     }
 
 

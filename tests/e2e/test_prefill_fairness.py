@@ -20,21 +20,17 @@ import statistics
 import pytest
 from openai import AsyncOpenAI
 
-from harness.prefill_load import HOG_STREAMS, light_requests, start_hog
+from harness.prefill_load import (
+    ENGINE_ARGS,
+    HOG_STREAMS,
+    light_requests,
+    start_hog,
+)
 from vllm_output_rate.demo.server import running_server
 
 pytestmark = pytest.mark.e2e
 
-ARGS = [
-    "--max-model-len",
-    "2048",
-    "--max-num-seqs",
-    "64",
-    "--max-num-batched-tokens",
-    "512",
-    "--default-user-output-tokens-per-second",
-    "100000",
-]
+ARGS = [*ENGINE_ARGS, "--default-user-output-tokens-per-second", "100000"]
 LIGHT_REQUESTS = 20
 # A step of 512 prompt tokens takes ~15 ms on this machine, one of a few
 # tokens ~2 ms: beside the hog the light user's first token waits for the

@@ -11,6 +11,15 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
+# The engine of the reproduction: 512 tokens a step, resident slots plenty.
+ENGINE_ARGS = (
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "64",
+    "--max-num-batched-tokens",
+    "512",
+)
 HOG_STREAMS = 16
 HOG_WORDS = 300  # about 600 prompt tokens on the tiny model
 # Random words, so that the prefix cache cannot help the hog.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from itertools import compress, repeat
+from itertools import compress
 from operator import not_
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -165,23 +165,10 @@ def give_token_shares(
     step.deferred_users.update(
         user for user, share in shares.items() if share < needs[user]
     )
-    host, reserved = policy.host, step.budget.reserved
-    running = host.running
-    first = list(
-        map(
-            bool,
-            map(
-                shares.get,
-                map(user_of, running),
-                repeat(0),
-            ),
-        )
-    )
-    if reserved and not all(reserved.values()):
-        for index, request in enumerate(running):
-            if first[index] and not reserved.get(user_of(request), 1):
-                first[index] = False
-    host.running[:] = [*compress(running, first), *compress(running, map(not_, first))]
+    reserved, running = step.budget.reserved, policy.host.running
+    ahead = {user for user, share in shares.items() if share and reserved.get(user, 1)}
+    first = list(map(ahead.__contains__, map(user_of, running)))
+    running[:] = [*compress(running, first), *compress(running, map(not_, first))]
 
 
 def plan_contested(

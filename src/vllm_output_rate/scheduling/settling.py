@@ -55,6 +55,11 @@ def settle(policy: OutputRatePolicy, step: Step) -> None:
             inflight_prefills(host),
         )
     served, undispatched = charges
+    # More tokens than one per request and its drafts: prompt tokens (the
+    # fair-share counters below, and the next step's token shares).
+    policy.prefilled = output.total_num_scheduled_tokens > len(
+        output.num_scheduled_tokens
+    ) + num_drafts(output)
     now_ns = step.end_ns
     policy.note_step_time(now_ns)
     policy.user_last_served.update(dict.fromkeys(served, step.number))
@@ -77,9 +82,6 @@ def settle(policy: OutputRatePolicy, step: Step) -> None:
             policy.first_tokens.sampled(output.num_scheduled_tokens, host.requests),
         )
     policy.last_step_idle = output.total_num_scheduled_tokens == 0
-    policy.prefilled = output.total_num_scheduled_tokens > len(
-        output.num_scheduled_tokens
-    ) + num_drafts(output)
     # Order the next contested step's running list if this one refused
     # someone or left running requests without an active slot.
     policy.order_running = bool(step.budget.refused_users) or (
@@ -159,10 +161,10 @@ def _prompt_tokens(
     """Prompt tokens computed in the step per user (prefill, recompute): a
     request's scheduled tokens before its last known token. A step of one
     token per request plus its drafts (plain or speculative decoding) has
-    none: O(1), or O(requests) in C with drafts."""
-    scheduled = output.num_scheduled_tokens
-    if output.total_num_scheduled_tokens == len(scheduled) + num_drafts(output):
+    none (``policy.prefilled`` false): O(1)."""
+    if not policy.prefilled:
         return NOTHING
+    scheduled = output.num_scheduled_tokens
     requests = policy.host.requests
     counts: Counter[str] = Counter()
     for request_id, count in scheduled.items():
