@@ -205,3 +205,15 @@ def test_a_limits_update_carries_weights_and_floors() -> None:
     assert update.user_weights == {"a": 2.0} and update.user_floors == {"a": 5.0}
     with pytest.raises(OutputRateConfigError, match="user_output_weight"):
         parse_limits_update({"user_output_weight": {"a": 0}})
+
+
+@pytest.mark.parametrize("key", ["shortcuts", "fair_step_tokens"])
+@pytest.mark.parametrize("value", ["false", 0, 1, None, [], "yes"])
+def test_a_switch_is_true_or_false_and_nothing_else(key: str, value: object) -> None:
+    section = {"default_user_output_tokens_per_second": 5, key: value}
+    with pytest.raises(OutputRateConfigError, match=rf"\['{key}'\] must be true or"):
+        OutputRateSettings.from_additional_config({"output_rate": section})
+    off = {"default_user_output_tokens_per_second": 5, key: False}
+    settings = OutputRateSettings.from_additional_config({"output_rate": off})
+    assert settings is not None and getattr(settings, key) is False
+    assert settings.to_additional_config()[key] is False
