@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import time
 
 import pytest
 
@@ -166,7 +167,10 @@ class TestClientAgainstFakeServer:
             max_tokens=8,
             duration_s=0.3,
         )
+        before = time.monotonic()
         result = run_load_sync(spec)
+        assert result.window_opened_s is not None
+        assert before <= result.window_opened_s <= time.monotonic()
         again = LoadResult.read_json(result.write_json(tmp_path / "r.json"))
         assert again.users == result.users
         assert again.spec == result.spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,15 @@ class TestJSONFile:
         assert again.spec == result.spec
         assert again.records == result.records
         assert again.users == result.users  # summaries recomputed from records
+
+    def test_the_windows_clock_reading_survives_the_file(self, tmp_path):
+        result = dataclasses.replace(synthetic_result(), window_opened_s=1234.5)
+        again = LoadResult.read_json(result.write_json(tmp_path / "r.json"))
+        assert again.window_opened_s == 1234.5
+        # A file written before the field was kept reads as unknown.
+        data = json.loads(result.to_json())
+        del data["window_opened_monotonic_s"]
+        assert LoadResult.from_dict(data).window_opened_s is None
 
     def test_without_chunks_keeps_token_counts(self):
         result = synthetic_result()

@@ -70,6 +70,9 @@ class RunFigures:
     users: dict[str, UserFigures]
     others_cores: float | None = None  # the CPU others took meanwhile (busy.py)
     others_share: float | None = None
+    # The share of the light user's window the others' requests covered
+    # (overlap.py); None when it could not be told.
+    covered: float | None = None
 
 
 @dataclass

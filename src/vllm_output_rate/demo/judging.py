@@ -11,6 +11,8 @@
 * throttled: *at its limit* when its engine rate over the window is at least
   ``AT_LIMIT`` of its limit; the bound, checked at the engine on every pair
   of the plugin's stats readings, must hold for every user with a limit;
+* a light user is *not judged* when, in either run, the others' requests
+  did not cover its window (``overlap.py``): it ran beside an idle server;
 * everyone: no failed request in either run. A 429 to a refusable user is
   its own excess refused by design, and a 503 on stock vLLM its queue caps
   full: counted and shown, never a failure.
@@ -26,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from vllm_output_rate.demo.figures import Outcomes, RunFigures, UserFigures
+from vllm_output_rate.demo.overlap import MIN_COVERED
 from vllm_output_rate.demo.scenes import Scene
 
 AT_LIMIT = 0.9  # engine rate / limit, at least, for "at its limit"
@@ -109,13 +112,27 @@ def _failures(label: str, user: UserFigures) -> str:
     return f"{len(user.outcomes.failed)} requests FAILED {label}: {detail}"
 
 
+def uncovered(stock: RunFigures, limited: RunFigures) -> str | None:
+    """Why the light user cannot be judged: a run in which the others' load
+    did not cover its window (overlap.py); None when both did."""
+    for label, run in (("on stock vLLM", stock), ("with limits", limited)):
+        if run.covered is not None and run.covered < MIN_COVERED:
+            return (
+                f"not judged: the others' requests were in flight for only "
+                f"{run.covered:.0%} of its window {label}"
+            )
+    return None
+
+
 def judge_user(
     scene: Scene, name: str, stock: RunFigures, limited: RunFigures
 ) -> Verdict:
     user = next(u for u in scene.users if u.name == name)
     before, after = stock.users[name], limited.users[name]
     good, short, text = True, "shown", "shown only"
-    if user.role == "light" and scene.light_measure == "answers":
+    if user.role == "light" and (why := uncovered(stock, limited)):
+        good, short, text = False, "not judged", why
+    elif user.role == "light" and scene.light_measure == "answers":
         good, short, text = answers_verdict(before, after)
     elif user.role == "light":
         rate = scene.light_measure == "latency"

@@ -12,7 +12,8 @@ process of its own (as real users are: parsing the hog's streams never
 delays the light user's), from its ``start_after_s`` to the window's end.
 With limits it polls the plugin's stats and, at the window's end, lifts
 every limit through the admin API, so that paused requests finish in
-seconds rather than minutes (paused, never cut). It counts the CPU the rest
+seconds rather than minutes (paused, never cut); ``scene_limits`` puts them
+back before a run is played again. It counts the CPU the rest
 of the machine took meanwhile (``busy.py``).
 """
 
@@ -196,18 +197,34 @@ def _receive(conn: Connection) -> Any:
     return message
 
 
-def lift_limits(scene: Scene, url: str, admin_key: str) -> None:
-    body = {
+def lifted_limits(scene: Scene) -> dict[str, Any]:
+    """The admin API body that lifts every limit: what runs after a window."""
+    return {
         "default_user_output_tokens_per_second": LIFTED,
         "user_output_tokens_per_second": {u.name: LIFTED for u in scene.users},
     }
+
+
+def scene_limits(scene: Scene) -> dict[str, Any]:
+    """The admin API body that puts the scene's own limits back (its flags'):
+    before a run is played again on the same server."""
+    return {
+        "default_user_output_tokens_per_second": scene.default_limit,
+        "user_output_tokens_per_second": {
+            u.name: u.limit for u in scene.users if u.limit is not None
+        },
+        "remove_users": [u.name for u in scene.users if u.limit is None],
+    }
+
+
+def put_limits(url: str, admin_key: str, body: dict[str, Any]) -> None:
     headers = {"Authorization": f"Bearer {admin_key}"}
     try:
         httpx.put(
             url + LIMITS_PATH, json=body, headers=headers, timeout=60
         ).raise_for_status()
     except httpx.HTTPError as exc:
-        raise DemoError(f"could not lift the limits after the run: {exc}") from exc
+        raise DemoError(f"could not change the limits between runs: {exc}") from exc
 
 
 def _drive(
@@ -236,7 +253,7 @@ def _drive(
         with watch or contextlib.nullcontext():
             if watch is not None:
                 time.sleep(max(0.0, start + scene.duration_s - time.monotonic()))
-                lift_limits(scene, url, spec.admin_key)
+                put_limits(url, spec.admin_key, lifted_limits(scene))
             results = [_receive(conn) for _, conn in clients]
         return dict(zip([u.name for u in scene.users], results, strict=True)), start
     finally:

@@ -370,7 +370,9 @@ async def run_load(
         )
         if progress is not None:
             progress(run.snapshot(done=True))
-    return LoadResult.build(spec, run.records, elapsed, started_at, bin_s)
+    return LoadResult.build(
+        spec, run.records, elapsed, started_at, bin_s, window_opened_s=run.t0
+    )
 
 
 async def _tick(

@@ -28,7 +28,10 @@ JSON_FORMAT = "vllm-output-rate-load/1"
 @dataclass
 class LoadResult:
     """Everything a run produced.  ``elapsed_s`` runs from the start to the
-    end of the last request; ``users`` is in the order of ``spec.users``."""
+    end of the last request; ``users`` is in the order of ``spec.users``.
+    ``window_opened_s``: ``time.monotonic()`` when the run's window opened,
+    the zero of its records' times, so that runs taken side by side on one
+    machine can be lined up (None in a file written before it was kept)."""
 
     spec: LoadSpec
     started_at: str
@@ -36,6 +39,7 @@ class LoadResult:
     records: list[RequestRecord]
     users: list[UserSummary]
     bin_s: float = 1.0
+    window_opened_s: float | None = None
 
     @classmethod
     def build(
@@ -45,6 +49,7 @@ class LoadResult:
         elapsed_s: float,
         started_at: str = "",
         bin_s: float = 1.0,
+        window_opened_s: float | None = None,
     ) -> LoadResult:
         return cls(
             spec=spec,
@@ -53,6 +58,7 @@ class LoadResult:
             records=records,
             users=summarize(spec.users, records, elapsed_s, bin_s),
             bin_s=bin_s,
+            window_opened_s=window_opened_s,
         )
 
     @property
@@ -113,6 +119,7 @@ class LoadResult:
             "started_at": self.started_at,
             "elapsed_s": self.elapsed_s,
             "bin_s": self.bin_s,
+            "window_opened_monotonic_s": self.window_opened_s,
             "caveat": CAVEAT,
             "spec": spec,
             "users": users,
@@ -146,6 +153,7 @@ class LoadResult:
             float(d["elapsed_s"]),
             started_at=d.get("started_at", ""),
             bin_s=float(d.get("bin_s", 1.0)),
+            window_opened_s=d.get("window_opened_monotonic_s"),
         )
 
     @classmethod
