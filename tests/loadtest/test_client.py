@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 import time
@@ -14,6 +15,7 @@ from harness.load_records import PNG_MAGIC
 from vllm_output_rate.loadtest.client import (
     LoadError,
     ProgressSnapshot,
+    check_server,
     count_chunk_tokens,
     list_models_sync,
     run_load_sync,
@@ -152,6 +154,16 @@ class TestClientAgainstFakeServer:
         url, _ = fake_server
         with pytest.raises(LoadError, match="not served"):
             run_load_sync(LoadSpec(url, "nope", [UserLoad("a", 1)], duration_s=0.1))
+
+    def test_the_check_alone_and_a_run_that_skips_it(self, fake_server):
+        url, _ = fake_server
+        nope = LoadSpec(url, "nope", [UserLoad("a", 1)], duration_s=0.1)
+        with pytest.raises(LoadError, match="not served"):
+            asyncio.run(check_server(nope))
+        # A caller that checked already: the window opens without asking
+        # again (the scripted server answers any model's requests).
+        result = run_load_sync(nope, server_checked=True)
+        assert result.records and result.ok
 
     def test_unreachable_server_names_the_url(self):
         url = f"http://127.0.0.1:{closed_port()}"

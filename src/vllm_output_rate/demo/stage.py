@@ -19,6 +19,7 @@ of the machine took meanwhile (``busy.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import secrets
@@ -36,7 +37,13 @@ from vllm_output_rate.demo.engine_view import EngineWatch
 from vllm_output_rate.demo.figures import EngineView
 from vllm_output_rate.demo.scenes import DemoUser, Scene
 from vllm_output_rate.demo.server import RunningServer, running_server
-from vllm_output_rate.loadtest import LoadResult, LoadSpec, UserLoad, run_load_sync
+from vllm_output_rate.loadtest import (
+    LoadResult,
+    LoadSpec,
+    UserLoad,
+    check_server,
+    run_load_sync,
+)
 
 # Both runs: vLLM's own per-request timings, the engine's side of each answer.
 COMMON_ARGS = ("--enable-per-request-metrics",)
@@ -158,14 +165,17 @@ class Played:
 
 
 def _user_load(conn: Connection, spec: LoadSpec, start_after_s: float) -> None:
-    """A user's client, in a process of its own: says it is ready, waits for
-    the run's start (the monotonic clock is the machine's), runs its load and
-    sends back the result, or the exception."""
+    """A user's client, in a process of its own: checks the server, says it
+    is ready, waits for the run's start (the monotonic clock is the
+    machine's), runs its load and sends back the result, or the exception.
+    The check comes first so that every window opens on time, however slow
+    the server is to answer once loaded."""
     try:
+        asyncio.run(check_server(spec))
         conn.send(READY)
         start = conn.recv()
         time.sleep(max(0.0, start + start_after_s - time.monotonic()))
-        conn.send(run_load_sync(spec))
+        conn.send(run_load_sync(spec, server_checked=True))
     except BaseException as exc:  # handed to the demo's process
         conn.send(exc)
 

@@ -22,6 +22,7 @@ in matplotlib). The names below are the public API
 from vllm_output_rate.loadtest.client import (
     LoadError,
     ProgressSnapshot,
+    check_server,
     list_models,
     list_models_sync,
     run_load,
@@ -41,6 +42,7 @@ __all__ = [
     "RequestRecord",
     "UserLoad",
     "UserSummary",
+    "check_server",
     "list_models",
     "list_models_sync",
     "run_load",

@@ -285,6 +285,14 @@ async def preflight(
             )
 
 
+async def check_server(spec: LoadSpec) -> None:
+    """``run_load``'s check of the server on its own (LoadError if it cannot
+    be reached or does not serve ``spec.model``)."""
+    base = normalize_base_url(spec.base_url)
+    async with httpx.AsyncClient(base_url=base) as client:
+        await preflight(client, base, spec.model, any_api_key(spec.api_keys))
+
+
 async def list_models(
     base_url: str,
     timeout_s: float = PREFLIGHT_TIMEOUT_S,
@@ -320,11 +328,14 @@ async def run_load(
     *,
     progress_interval_s: float = 0.5,
     bin_s: float = 1.0,
+    server_checked: bool = False,
 ) -> LoadResult:
     """Run ``spec`` against the server and return the measurements.
 
     Raises LoadError if the server cannot be reached (or does not serve
-    ``spec.model``).  Failed requests do not raise: they are recorded
+    ``spec.model``); a caller that checked that already (``check_server``,
+    before a start shared with other clients) passes ``server_checked=True``
+    so that the window opens at once.  Failed requests do not raise: they are recorded
     (``LoadResult.failed_requests``) and the stream pauses briefly and
     carries on.  See the package docstring for the measurement caveat.
     """
@@ -343,7 +354,8 @@ async def run_load(
     async with httpx.AsyncClient(
         base_url=base, timeout=timeout, limits=limits
     ) as client:
-        await preflight(client, base, spec.model, any_api_key(spec.api_keys))
+        if not server_checked:
+            await preflight(client, base, spec.model, any_api_key(spec.api_keys))
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         run = _Run(spec, client, time.monotonic())
         tasks = [
