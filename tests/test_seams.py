@@ -27,6 +27,7 @@ from vllm_output_rate.integration.scheduler import (
     OutputRateScheduler,
 )
 from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, USER_ATTR
+from vllm_output_rate.seams_facts import SOURCE_FACTS
 from vllm_output_rate.vllm_source import LiveSource, StaticSource
 
 # The vLLM methods the subclasses override on purpose (listed in seams.py).
@@ -225,7 +226,7 @@ def test_the_static_check_reads_the_installed_vllm_like_the_live_one() -> None:
         static_params = static.function(module, path).params
         live_params = live.function(module, path).params
         assert live_params in (static_params, static_params[1:]), path
-    for module, path, needle, _ in seams_module.SOURCE_FACTS:
+    for module, path, needle, _ in SOURCE_FACTS:
         assert needle in static.function(module, path).source
 
 
@@ -233,7 +234,7 @@ def test_a_moved_seam_fails_the_static_check(tmp_path: Path) -> None:
     # A copy of the files the checks read, with two seams moved.
     for module in (
         {m for m, *_ in seams_module.EXPECTED_SIGNATURES}
-        | {m for m, *_ in seams_module.SOURCE_FACTS}
+        | {m for m, *_ in SOURCE_FACTS}
         | {m for m, _ in seams_module.REQUEST_CLASSES}
     ):
         parts = module.split(".")

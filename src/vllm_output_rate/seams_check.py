@@ -18,6 +18,7 @@ import inspect
 from pathlib import Path
 
 from vllm_output_rate import seams
+from vllm_output_rate.seams_facts import SOURCE_FACTS
 from vllm_output_rate.vllm_source import LiveSource, Source, StaticSource, vllm_imports
 
 # Every `from vllm... import name` of this package must resolve.
@@ -76,7 +77,7 @@ def seam_problems(
     for (module, name), method in methods if api else []:
         if source.function(module, f"{name}.{method}") is None:
             problems.append(f"{module}.{name}.{method} no longer exists")
-    for module, path, needle, fact in seams.SOURCE_FACTS:
+    for module, path, needle, fact in SOURCE_FACTS:
         function = source.function(module, path)
         if function is None or needle not in function.source:
             problems.append(f"no longer true: {fact}")
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MOVED: {problem}")
     checked = (
         len(seams.EXPECTED_SIGNATURES)
-        + len(seams.SOURCE_FACTS)
+        + len(SOURCE_FACTS)
         + len(seams.HOST_ATTRIBUTES)
         + len(seams.REQUEST_CLASSES)
         + len(seams.BEAM_SEARCH_CLASSES)
