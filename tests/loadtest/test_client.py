@@ -12,12 +12,10 @@ import pytest
 
 from harness.fake_openai_server import ENGINE_METRICS, SEPARATOR_TEXT
 from harness.load_records import PNG_MAGIC
+from vllm_output_rate.loadtest import LoadError, check_server, list_models_sync
 from vllm_output_rate.loadtest.client import (
-    LoadError,
     ProgressSnapshot,
-    check_server,
     count_chunk_tokens,
-    list_models_sync,
     run_load_sync,
 )
 from vllm_output_rate.loadtest.report import format_table, plot_rates

@@ -12,7 +12,8 @@ taken on the client, so long-run rates are meaningful, single gaps are not
 (``CAVEAT``). Why: docs/architecture.md, "The load tool".
 
 Modules, in the order a run goes through them: ``spec`` (what to run),
-``client`` (the run loop), ``sse`` (reading the streams), ``summary`` (pure
+``server_check`` (is the server there, does it serve the model), ``client``
+(the run loop; ``errors``: how it names failures), ``sse`` (reading the streams), ``summary`` (pure
 per-user figures and the bound check), ``results`` (``LoadResult``, also the
 JSON file), ``report`` (table and chart; imported on its own, since it pulls
 in matplotlib). The names below are the public API
@@ -20,15 +21,17 @@ in matplotlib). The names below are the public API
 """
 
 from vllm_output_rate.loadtest.client import (
-    LoadError,
     ProgressSnapshot,
-    check_server,
-    list_models,
-    list_models_sync,
     run_load,
     run_load_sync,
 )
+from vllm_output_rate.loadtest.errors import LoadError
 from vllm_output_rate.loadtest.results import LoadResult
+from vllm_output_rate.loadtest.server_check import (
+    check_server,
+    list_models,
+    list_models_sync,
+)
 from vllm_output_rate.loadtest.spec import DEFAULT_PROMPT, LoadSpec, UserLoad
 from vllm_output_rate.loadtest.summary import CAVEAT, RequestRecord, UserSummary
 

@@ -1,6 +1,6 @@
 """The streaming client: runs a ``LoadSpec`` against a vLLM OpenAI server.
 
-``run_load`` checks that the server answers (``preflight``), starts one task
+``run_load`` checks that the server answers (``server_check.py``), starts one task
 per stream and returns a ``LoadResult`` once every stream has passed the
 deadline and its last request has ended.  A stream is a loop: send one
 streaming request, consume it to the end (``sse.sse_data``), record each
@@ -23,14 +23,20 @@ from typing import Any
 
 import httpx
 
+from vllm_output_rate.loadtest.errors import (
+    error_code,
+    error_text,
+    http_error_text,
+    transport_detail,
+)
 from vllm_output_rate.loadtest.results import LoadResult
+from vllm_output_rate.loadtest.server_check import PREFLIGHT_TIMEOUT_S, preflight
 from vllm_output_rate.loadtest.spec import (
     ENDPOINT_PATHS,
     Endpoint,
     LoadSpec,
     UserLoad,
     any_api_key,
-    bearer,
     build_request_body,
     normalize_base_url,
     request_headers,
@@ -42,11 +48,6 @@ from vllm_output_rate.loadtest.summary import RequestRecord
 # Pause after a failed request before a stream tries again, so that a dead
 # server or a rejected request does not turn into a tight retry loop.
 FAILURE_BACKOFF_S = 0.5
-PREFLIGHT_TIMEOUT_S = 10.0
-
-
-class LoadError(RuntimeError):
-    """The load could not be run at all (e.g. the server is unreachable)."""
 
 
 @dataclass
@@ -82,31 +83,6 @@ def count_chunk_tokens(choice: dict[str, Any], endpoint: Endpoint) -> int:
     return 1
 
 
-def _error_text(payload: Any) -> str:
-    if isinstance(payload, dict):
-        err = payload.get("error", payload)
-        if isinstance(err, dict):
-            return str(err.get("message") or err)
-        return str(err)
-    return str(payload)
-
-
-def _error_code(payload: dict[str, Any]) -> int | None:
-    """vLLM's error body carries the HTTP status as ``error.code``."""
-    err = payload.get("error")
-    code = err.get("code") if isinstance(err, dict) else None
-    return code if isinstance(code, int) and 400 <= code < 600 else None
-
-
-def _http_error_text(status: int, raw: bytes) -> str:
-    text = raw.decode("utf-8", "replace").strip()
-    with contextlib.suppress(ValueError):
-        text = _error_text(json.loads(text))
-    if len(text) > 500:
-        text = text[:500] + "..."
-    return f"HTTP {status}: {text}" if text else f"HTTP {status}"
-
-
 def retry_after_s(headers: httpx.Headers) -> float | None:
     """A refusal's ``retry-after-ms`` (else ``retry-after``), in seconds."""
     for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
@@ -115,10 +91,6 @@ def retry_after_s(headers: httpx.Headers) -> float | None:
             if value >= 0:
                 return value
     return None
-
-
-def _detail(exc: httpx.TransportError) -> str:
-    return str(exc) or type(exc).__name__
 
 
 class _Run:
@@ -178,11 +150,11 @@ class _Run:
                 if response.status_code != 200:
                     record.retry_after_s = retry_after_s(response.headers)
                     raw = await response.aread()
-                    record.error = _http_error_text(response.status_code, raw)
+                    record.error = http_error_text(response.status_code, raw)
                     return
                 await self._consume(response, record)
         except httpx.TransportError as exc:
-            record.error = f"{type(exc).__name__} on {url}: {_detail(exc)}"
+            record.error = f"{type(exc).__name__} on {url}: {transport_detail(exc)}"
 
     async def _consume(self, response: httpx.Response, record: RequestRecord) -> None:
         endpoint = self.spec.endpoint
@@ -200,8 +172,8 @@ class _Run:
             if not isinstance(payload, dict):
                 continue
             if "error" in payload and not payload.get("choices"):
-                record.error = f"server error in stream: {_error_text(payload)}"
-                record.stream_error_status = _error_code(payload)
+                record.error = f"server error in stream: {error_text(payload)}"
+                record.stream_error_status = error_code(payload)
                 return
             usage = payload.get("usage")
             if isinstance(usage, dict) and not payload.get("choices"):
@@ -242,84 +214,6 @@ class _Run:
             in_flight=self.in_flight,
             done=done,
         )
-
-
-async def _get_models(
-    client: httpx.AsyncClient,
-    base_url: str,
-    timeout_s: float,
-    api_key: str | None = None,
-) -> httpx.Response:
-    """``GET /v1/models``; LoadError naming the URL if it cannot be reached."""
-    try:
-        return await client.get(
-            "/v1/models", timeout=timeout_s, headers=bearer(api_key)
-        )
-    except httpx.TransportError as exc:
-        raise LoadError(
-            f"could not reach the vLLM server at {base_url}/v1/models "
-            f"({type(exc).__name__}: {_detail(exc)}); "
-            "is it running and is --base-url right?"
-        ) from exc
-
-
-async def preflight(
-    client: httpx.AsyncClient,
-    base_url: str,
-    model: str | None,
-    api_key: str | None = None,
-) -> None:
-    """Check that the server answers; if it lists models, that ``model`` is one.
-
-    Raises LoadError naming the URL that could not be reached.
-    """
-    response = await _get_models(client, base_url, PREFLIGHT_TIMEOUT_S, api_key)
-    if model is None or response.status_code != 200:
-        return
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        ids = [m["id"] for m in response.json()["data"]]
-        if ids and model not in ids:
-            raise LoadError(
-                f"model {model!r} is not served at {base_url}; it serves: "
-                + ", ".join(ids)
-            )
-
-
-async def check_server(spec: LoadSpec) -> None:
-    """``run_load``'s check of the server on its own (LoadError if it cannot
-    be reached or does not serve ``spec.model``)."""
-    base = normalize_base_url(spec.base_url)
-    async with httpx.AsyncClient(base_url=base) as client:
-        await preflight(client, base, spec.model, any_api_key(spec.api_keys))
-
-
-async def list_models(
-    base_url: str,
-    timeout_s: float = PREFLIGHT_TIMEOUT_S,
-    api_key: str | None = None,
-) -> list[str]:
-    """Model ids from ``GET {base_url}/v1/models``; LoadError if unreachable
-    (``api_key``: for a server that wants one on every route)."""
-    base = normalize_base_url(base_url)
-    url = f"{base}/v1/models"
-    async with httpx.AsyncClient(base_url=base) as client:
-        response = await _get_models(client, base, timeout_s, api_key)
-    if response.status_code != 200:
-        raise LoadError(
-            f"{url} answered {_http_error_text(response.status_code, response.content)}"
-        )
-    try:
-        return [m["id"] for m in response.json()["data"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise LoadError(f"{url} returned an unexpected body: {exc}") from exc
-
-
-def list_models_sync(
-    base_url: str,
-    timeout_s: float = PREFLIGHT_TIMEOUT_S,
-    api_key: str | None = None,
-) -> list[str]:
-    return asyncio.run(list_models(base_url, timeout_s, api_key))
 
 
 async def run_load(
