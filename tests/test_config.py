@@ -9,13 +9,13 @@ import pytest
 from vllm_output_rate.config import (
     OutputRateSettings,
     merge_settings,
-    parse_user_rates,
 )
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.limits_update import LimitsUpdate, parse_limits_update
 from vllm_output_rate.validation import (
     MAX_USER_NAME_LENGTH,
     OutputRateConfigError,
+    parse_user_rates,
     validate_rate,
     validate_user_name,
 )

@@ -9,7 +9,6 @@ The admin API's update body: ``limits_update.py``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +21,8 @@ from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
+    parse_user_rates,
+    parsed_json,
     validate_number,
     validate_rate,
     validate_switch,
@@ -64,37 +65,9 @@ MAX_METRICS_RECENT_USERS = 10_000
 ANONYMOUS_USER = "__anonymous__"
 
 
-def _parsed_json(value: object, where: str) -> object:
-    """``value`` itself, or parsed when it is JSON text (as flags give it)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise OutputRateConfigError(
-            f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
-        ) from None
-
-
-def parse_user_rates(value: object, where: str) -> dict[str, float]:
-    """A JSON object (or its text) of user name to tok/s, validated."""
-    value = _parsed_json(value, where)
-    if not isinstance(value, Mapping):
-        raise OutputRateConfigError(
-            f"{where}: expected a JSON object of user name to tokens per second, "
-            f"got {value!r}"
-        )
-    return {
-        validate_user_name(user, where): validate_rate(
-            rate, f"{where}: rate of user {user!r}"
-        )
-        for user, rate in value.items()
-    }
-
-
 def parse_user_weights(value: object, where: str) -> dict[str, float]:
     """A JSON object (or its text) of user name to weight, in (0, 1e6]."""
-    value = _parsed_json(value, where)
+    value = parsed_json(value, where)
     if not isinstance(value, Mapping):
         raise OutputRateConfigError(
             f"{where}: expected a JSON object of user name to weight, got {value!r}"
@@ -138,7 +111,7 @@ def check_floors(
 
 def parse_metrics_users(value: object, where: str) -> tuple[str, ...]:
     """A JSON list (or its text) of user names that always get a label."""
-    value = _parsed_json(value, where)
+    value = parsed_json(value, where)
     if not isinstance(value, (list, tuple)):
         raise OutputRateConfigError(
             f"{where}: expected a JSON list of user names, got {value!r}"

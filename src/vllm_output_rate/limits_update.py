@@ -10,12 +10,12 @@ from vllm_output_rate.config import (
     FLOORS_KEY,
     USERS_KEY,
     WEIGHTS_KEY,
-    parse_user_rates,
     parse_user_weights,
 )
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
+    parse_user_rates,
     validate_rate,
     validate_user_name,
 )

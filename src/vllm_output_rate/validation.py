@@ -10,6 +10,7 @@ value came from.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -91,3 +92,31 @@ def validate_switch(value: object, where: str) -> bool:
     if not isinstance(value, bool):
         raise OutputRateConfigError(f"{where} must be true or false, got {value!r}")
     return value
+
+
+def parsed_json(value: object, where: str) -> object:
+    """``value`` itself, or parsed when it is JSON text (as flags give it)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise OutputRateConfigError(
+            f"{where}: not valid JSON ({exc.msg} at character {exc.pos}): {value!r}"
+        ) from None
+
+
+def parse_user_rates(value: object, where: str) -> dict[str, float]:
+    """A JSON object (or its text) of user name to tok/s, validated."""
+    value = parsed_json(value, where)
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(
+            f"{where}: expected a JSON object of user name to tokens per second, "
+            f"got {value!r}"
+        )
+    return {
+        validate_user_name(user, where): validate_rate(
+            rate, f"{where}: rate of user {user!r}"
+        )
+        for user, rate in value.items()
+    }

@@ -24,7 +24,6 @@ from vllm_output_rate.config import (
     load_store_settings,
     merge_settings,
     parse_metrics_users,
-    parse_user_rates,
     parse_user_weights,
     validate_recent_users,
 )
@@ -39,7 +38,11 @@ from vllm_output_rate.store.settings import (
     check_store_url,
     redact_url,
 )
-from vllm_output_rate.validation import OutputRateConfigError, validate_rate
+from vllm_output_rate.validation import (
+    OutputRateConfigError,
+    parse_user_rates,
+    validate_rate,
+)
 
 GROUP_TITLE = "OutputRateLimit"
 T = TypeVar("T")

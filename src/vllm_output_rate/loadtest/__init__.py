@@ -13,10 +13,11 @@ taken on the client, so long-run rates are meaningful, single gaps are not
 
 Modules, in the order a run goes through them: ``spec`` (what to run),
 ``server_check`` (is the server there, does it serve the model), ``client``
-(the run loop; ``errors``: how it names failures), ``sse`` (reading the streams), ``summary`` (pure
-per-user figures and the bound check), ``results`` (``LoadResult``, also the
-JSON file), ``report`` (table and chart; imported on its own, since it pulls
-in matplotlib). The names below are the public API
+(the run loop; ``errors``: how it names failures), ``sse`` (reading the
+streams), ``summary`` (pure per-user figures and the bound check),
+``results`` (``LoadResult``, also the JSON file), ``report`` (table and
+chart; imported on its own, since it pulls in matplotlib). The names
+below are the public API
 (``from vllm_output_rate.loadtest import LoadSpec, UserLoad, run_load_sync``).
 """
 
