@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from vllm_output_rate.admission_caps import ADMISSION_KEYS
+from vllm_output_rate.prompt_limits import PROMPT_KEYS, PromptLimits, prompt_limits_from
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
@@ -155,6 +156,8 @@ class OutputRateSettings:
     # share of each step's tokens when users' work exceeds them.
     shortcuts: bool = True
     fair_step_tokens: bool = True
+    # Prompt tokens computed per second, per user (None: not limited).
+    prompt_limits: PromptLimits | None = None
 
     def ceiling_of(self, user: str) -> float:
         return self.user_rates.get(user, self.default_rate)
@@ -172,6 +175,7 @@ class OutputRateSettings:
             CAPACITY_KEY: self.engine_capacity,
             SHORTCUTS_KEY: self.shortcuts,
             FAIR_STEP_TOKENS_KEY: self.fair_step_tokens,
+            **(self.prompt_limits.to_config() if self.prompt_limits else {}),
             **(self.store.to_config() if self.store else {}),
         }
 
@@ -195,6 +199,7 @@ class OutputRateSettings:
                 *FAIR_KEYS,
                 SHORTCUTS_KEY,
                 FAIR_STEP_TOKENS_KEY,
+                *PROMPT_KEYS,
                 *STORE_KEYS,
                 *ADMISSION_KEYS,  # read by integration/admission_rpc.py
             ),
@@ -217,11 +222,16 @@ class OutputRateSettings:
             fair_source=where,
         )
         if settings is None:
+            if any(section.get(key) is not None for key in PROMPT_KEYS):
+                raise OutputRateConfigError(
+                    f"{where}: prompt-token rates need {DEFAULT_KEY!r} too"
+                )
             return None
         return replace(
             settings,
             shortcuts=switches[SHORTCUTS_KEY],
             fair_step_tokens=switches[FAIR_STEP_TOKENS_KEY],
+            prompt_limits=prompt_limits_from(section, where),
         ).with_metrics_labels(
             section.get(METRICS_USERS_KEY),
             section.get(METRICS_RECENT_KEY),

@@ -30,17 +30,25 @@ def user(name: str) -> dict[str, Any]:
     return {"vllm_xargs": {"output_rate_user": name}}
 
 
-async def hog_loop(client: AsyncOpenAI, model: str, stop: asyncio.Event) -> int:
+async def hog_loop(
+    client: AsyncOpenAI,
+    model: str,
+    stop: asyncio.Event,
+    prompt_tokens: list[int] | None = None,
+) -> int:
     """One of the hog's streams: long distinct prompts, one token out each,
-    until ``stop``; returns how many were answered."""
+    until ``stop``; returns how many were answered (``prompt_tokens``: each
+    answer's prompt tokens are appended there)."""
     answered = 0
     rng = random.Random()
     while not stop.is_set():
         prompt = " ".join(rng.choice(WORDS) for _ in range(HOG_WORDS))
-        await client.completions.create(
+        answer = await client.completions.create(
             model=model, prompt=prompt, max_tokens=1, extra_body=user("hog")
         )
         answered += 1
+        if prompt_tokens is not None and answer.usage is not None:
+            prompt_tokens.append(answer.usage.prompt_tokens)
     return answered
 
 
@@ -69,8 +77,12 @@ async def light_requests(
 
 
 def start_hog(
-    client: AsyncOpenAI, model: str, stop: asyncio.Event
+    client: AsyncOpenAI,
+    model: str,
+    stop: asyncio.Event,
+    prompt_tokens: list[int] | None = None,
 ) -> list[asyncio.Task[int]]:
     return [
-        asyncio.create_task(hog_loop(client, model, stop)) for _ in range(HOG_STREAMS)
+        asyncio.create_task(hog_loop(client, model, stop, prompt_tokens))
+        for _ in range(HOG_STREAMS)
     ]

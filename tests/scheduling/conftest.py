@@ -4,7 +4,8 @@ Every test that uses ``limited`` runs for synchronous and asynchronous
 scheduling, with a fake clock driving the limiter. After every test, the
 accounting invariant is checked: for each user, the tokens the limiter holds
 as spent equal the sampling steps the scheduler dispatched (charged at
-dispatch, refunded when not dispatched, never charged twice).
+dispatch, refunded when not dispatched, never charged twice), and with
+prompt rates, the prompt limiter's equal the prompt tokens dispatched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ import pytest
 
 from harness.counting_limiter import CountingLimiter
 from harness.scheduler_sim import SchedulerHarness, make_scheduler
+
+
+def prompt_tokens(harness: SchedulerHarness) -> Counter[str]:
+    """Prompt tokens computed per user: every dispatched token but the one
+    that samples."""
+    counts: Counter[str] = Counter()
+    for d in harness.dispatches:
+        counts[d.user] += d.num_tokens - (1 + d.drafts if d.samples else 0)
+    return counts
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -35,6 +45,7 @@ def limited(tiny_model_path: str, is_async: bool):
         floors: dict[str, float] | None = None,
         shortcuts: bool = True,
         fair_step_tokens: bool = True,
+        prompt: dict[str, float] | None = None,
         **kwargs,
     ):
         limits: dict[str, object] = {"default_user_output_tokens_per_second": default}
@@ -48,12 +59,20 @@ def limited(tiny_model_path: str, is_async: bool):
             limits["user_output_weight"] = weights
         if floors:
             limits["user_min_output_tokens_per_second"] = floors
+        if prompt:
+            # Prompt tokens per second: "default" and per-user rates.
+            prompt_users = {u: r for u, r in prompt.items() if u != "default"}
+            limits["default_user_prompt_tokens_per_second"] = prompt["default"]
+            limits["user_prompt_tokens_per_second"] = prompt_users
         harness = make_scheduler(
             tiny_model_path, limits=limits, is_async=is_async, **kwargs
         )
-        harness.scheduler.output_rate.use_limiter(
-            CountingLimiter(default, users, clock=harness.clock)
-        )
+        policy = harness.scheduler.output_rate
+        policy.use_limiter(CountingLimiter(default, users, clock=harness.clock))
+        if prompt:
+            policy.prompt_limiter = CountingLimiter(
+                prompt["default"], prompt_users, clock=harness.clock
+            )
         made.append(harness)
         return harness
 
@@ -63,3 +82,8 @@ def limited(tiny_model_path: str, is_async: bool):
         limiter = harness.scheduler.output_rate.limiter
         dispatched = Counter(d.user for d in harness.dispatches if d.samples)
         assert +limiter.net == +dispatched
+        prompt_limiter = harness.scheduler.output_rate.prompt_limiter
+        if prompt_limiter is not None:
+            # Prompt tokens: charged what was computed, the rest given back.
+            assert isinstance(prompt_limiter, CountingLimiter)
+            assert +prompt_limiter.net == +prompt_tokens(harness)

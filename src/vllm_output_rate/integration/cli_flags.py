@@ -343,6 +343,7 @@ def settings_from_namespace(args: argparse.Namespace) -> OutputRateSettings | No
             settings.with_metrics_labels(base.metrics_users, base.metrics_recent_users),
             shortcuts=base.shortcuts,
             fair_step_tokens=base.fair_step_tokens,
+            prompt_limits=base.prompt_limits,
         )
     return settings.with_metrics_labels(metrics_users, metrics_recent)
 

@@ -117,6 +117,13 @@ class OutputRateMixin(_Host):
             self.max_num_running_reqs,
             self.output_rate.active_cap,
         )
+        if settings.prompt_limits is not None:
+            logger.info(
+                "Per-user prompt-token rates on (this engine's own): default %s "
+                "tok/s, %d user override(s)",
+                settings.prompt_limits.default_rate,
+                len(settings.prompt_limits.user_rates),
+            )
 
     def shutdown(self) -> None:
         self.output_rate.finish_step()

@@ -84,9 +84,11 @@ def token_needs(
     slots = host.max_num_running_reqs
     free_slots = slots - len(host.running)
     waiting = len(host.requests) > len(host.running) and free_slots > 0
-    if not (policy.prefilled or waiting):
+    prompt = policy.prompt_step
+    cuts = prompt is not None and prompt.cuts
+    if not (policy.prefilled or waiting or cuts):
         return None
-    return step_needs(
+    needs = step_needs(
         host.running,
         host.waiting if waiting else (),
         running_slots=min(running_cap, slots),
@@ -97,6 +99,10 @@ def token_needs(
         allowance=budget.reserved,
         granted=granted,
     )
+    if needs and prompt is not None and cuts:
+        # Nobody needs a share of what its prompt rate will not let it use.
+        needs = prompt.cap(needs)
+    return needs
 
 
 def token_shares(

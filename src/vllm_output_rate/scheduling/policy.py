@@ -45,6 +45,7 @@ from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
 from vllm_output_rate.scheduling.operator_view import OperatorView
+from vllm_output_rate.scheduling.prompt_budget import PromptStep, prompt_demand
 from vllm_output_rate.scheduling.residency import Residency
 from vllm_output_rate.scheduling.shortcuts import layers_for
 from vllm_output_rate.scheduling.stats import OutputRateStats
@@ -101,6 +102,13 @@ class OutputRatePolicy(OperatorView):
         # A fair share of each step's tokens when users' work exceeds them.
         self.share_step_tokens = settings.fair_step_tokens and chunked_prefill
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
+        # Prompt tokens computed per user (prompt_budget.py), when limited.
+        prompt = settings.prompt_limits
+        self.prompt_limiter: Budget | None = (
+            OutputRateLimiter(prompt.default_rate, prompt.user_rates)
+            if prompt is not None
+            else None
+        )
         self.demand = Demand()
         # Weights and floors: who is owed service when the engine is full.
         self.fair = FairShare(settings.user_weights, settings.user_floors)
@@ -127,6 +135,8 @@ class OutputRatePolicy(OperatorView):
         self.user_last_served: dict[str, int] = {}
         self.order_running = False  # the last step refused or deferred someone
         self.prefilled = False  # the last step computed prompt tokens
+        self.prompt_held = False  # the last step held back someone's prompt
+        self.prompt_step: PromptStep | None = None  # the step's, while planned
         self.fair_growth = 0.0  # the most a user's counter grew (kept_batch.py)
         self.wakeup_ns: int | None = None  # when a refused user may sample again
         self.last_step_idle = False
@@ -190,24 +200,47 @@ class OutputRatePolicy(OperatorView):
         contested = (
             not budget.covers_demand or len(host.running) > self.active_cap or crowded
         )
+        prompt = self.prompt_step = self._prompt_step()
+        cuts = prompt is not None and prompt.cuts
         needs = planning.token_needs(self, budget, self.active_cap)
         shares = planning.token_shares(self, budget, needs)
         host.max_num_active_reqs = self.active_cap
         step = self.step = Step(
             self.steps,
-            StepMode.CONTESTED if contested or shares else StepMode.UNCONTESTED,
+            StepMode.CONTESTED if contested or shares or cuts else StepMode.UNCONTESTED,
             budget,
             self._rules,
             self.active_cap,
             self.active_cap,
+            prompt=prompt,
         )
+        # The shortcuts keep or rank batches of whole chunks: a step whose
+        # chunks are cut (shared tokens, prompt rates) runs on the reference
+        # path.
         if needs and shares:
-            # The shortcuts keep or rank batches of whole chunks: a step
-            # whose tokens are shared runs on the reference path.
             planning.plan_shared(self, step, crowded, contested, needs, shares)
+        elif cuts:
+            if contested:
+                planning.plan_contested(self, step, crowded)
         elif not self.shortcuts.plan(self, step, crowded) and contested:
             planning.plan_contested(self, step, crowded)
         return step
+
+    def _prompt_step(self) -> PromptStep | None:
+        """The step's prompt-token reservation, for users with a prompt rate;
+        None when none is set or no prompt work is possible (the last step
+        computed none, held none back, and nothing waits): plain decoding
+        costs nothing."""
+        limiter, host = self.prompt_limiter, self.host
+        if limiter is None:
+            return None
+        waiting = len(host.requests) > len(host.running)
+        if not (self.prefilled or waiting or self.prompt_held):
+            return None
+        demand, residents = prompt_demand(host.running, host.waiting if waiting else ())
+        if not demand:
+            return None
+        return PromptStep(limiter, demand, residents, host.max_num_scheduled_tokens)
 
     def end_step(self, step: Step, output: SchedulerOutput) -> None:
         """vLLM scheduled ``step``: settle it now, or leave it to the next

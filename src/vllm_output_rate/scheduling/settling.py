@@ -11,6 +11,8 @@ before anything else reads or changes the scheduler (``policy.finish_step``):
   in contested and kept steps;
 * charges the step's service to the users' fair-share counters when the
   step left someone waiting, and credits floors (``fair_share.py``);
+* charges the prompt tokens computed to users with a prompt rate
+  (``prompt_budget.py``);
 * keeps statistics, the dispatch log, first-token times, recomputation
   after preemption, and what the next step and the idle wait need.
 """
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from vllm_output_rate.scheduling.demand import LAST_SERVED_ATTR, user_of
 from vllm_output_rate.scheduling.planning import NOTHING
+from vllm_output_rate.scheduling.prompt_budget import computed_prompt_tokens
 from vllm_output_rate.scheduling.speculative import num_drafts
 from vllm_output_rate.scheduling.step import StepMode
 from vllm_output_rate.seams import inflight_prefills
@@ -70,6 +73,16 @@ def settle(policy: OutputRatePolicy, step: Step) -> None:
     if accounting.wants_grants():
         accounting.note_grants(step.number, now_ns, step.budget.kept(undispatched))
     policy.wakeup_ns = step.budget.settle(undispatched)
+    policy.prompt_held = False
+    if step.prompt is not None:
+        policy.prompt_held = bool(step.prompt.budget.refused_users)
+        # Every chunk counts: one cut to a single prompt token too.
+        ready_ns = step.prompt.settle(
+            computed_prompt_tokens(output.num_scheduled_tokens, host.requests)
+        )
+        if ready_ns is not None:
+            wakeup = policy.wakeup_ns
+            policy.wakeup_ns = ready_ns if wakeup is None else min(wakeup, ready_ns)
     policy.stats.record_step(
         now_ns,
         received,
@@ -158,25 +171,12 @@ def _count_fair_shares(
 def _prompt_tokens(
     policy: OutputRatePolicy, output: SchedulerOutput
 ) -> Mapping[str, int]:
-    """Prompt tokens computed in the step per user (prefill, recompute): a
-    request's scheduled tokens before its last known token. A step of one
-    token per request plus its drafts (plain or speculative decoding) has
-    none (``policy.prefilled`` false): O(1)."""
+    """Prompt tokens computed in the step per user, for the fair-share
+    counters: none in a step of one token per request plus its drafts
+    (plain or speculative decoding, ``policy.prefilled`` false): O(1)."""
     if not policy.prefilled:
         return NOTHING
-    scheduled = output.num_scheduled_tokens
-    requests = policy.host.requests
-    counts: Counter[str] = Counter()
-    for request_id, count in scheduled.items():
-        if count > 1:
-            request = requests.get(request_id)
-            if request is None:
-                continue
-            after = request.num_computed_tokens
-            prompt = min(after, request.num_tokens - 1) - (after - count)
-            if prompt > 0:
-                counts[user_of(request)] += prompt
-    return counts
+    return computed_prompt_tokens(output.num_scheduled_tokens, policy.host.requests)
 
 
 def _forget_idle(policy: OutputRatePolicy, now_ns: int) -> None:

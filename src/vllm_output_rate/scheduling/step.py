@@ -28,6 +28,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.scheduling import kv_room
 from vllm_output_rate.scheduling.demand import user_of
+from vllm_output_rate.scheduling.prompt_budget import PromptStep, prompt_part
 from vllm_output_rate.seams import num_free_kv_blocks
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class Step:
     # Each user's tokens left of the step's budget, when the users' work
     # exceeds it (``token_shares.py``); None: vLLM sizes every chunk.
     token_shares: dict[str, int] | None = None
+    # Prompt-token accounts, for users with a prompt rate (``prompt_budget.py``).
+    prompt: PromptStep | None = None
     # Residency accounts (a contested step in which requests wait).
     slots: StepSlots | None = None
     # vLLM's waiting scan is closed for the step, or will be once the slots
@@ -121,8 +124,21 @@ class Step:
         end = request.num_tokens + request.num_output_placeholders
         shares = self.token_shares
         if shares is not None and num_new_tokens > shares.get(user, 0):
-            num_new_tokens = self._within_share(
-                request, num_computed_tokens, num_new_tokens, end, in_running_loop
+            self.deferred_users.add(user)  # cut short: backlogged in the step
+            num_new_tokens = self._cut(
+                request,
+                num_computed_tokens,
+                num_new_tokens,
+                end,
+                in_running_loop,
+                shares.get(user, 0),
+            )
+            if not num_new_tokens:
+                return 0
+        prompt = self.prompt
+        if prompt is not None and prompt.cuts:
+            num_new_tokens = self._within_prompt_rate(
+                prompt, request, num_computed_tokens, num_new_tokens, end
             )
             if not num_new_tokens:
                 return 0
@@ -168,25 +184,22 @@ class Step:
             shares[user] = shares.get(user, 0) - num_new_tokens
         return num_new_tokens
 
-    def _within_share(
+    def _cut(
         self,
         request: Request,
         num_computed_tokens: int,
         num_new_tokens: int,
         end: int,
         in_running_loop: bool,
+        left: int,
     ) -> int:
-        """The chunk trimmed to what is left of its user's share of the
-        step's tokens (0: none of it runs). It stops where a prefill may
-        stop without sampling (``EngineModes.hold_back_end``), or keeps its
-        sampling position and fewer draft tokens; it is not cut where an
-        image must not be split (``EngineModes.may_cut``). A waiting request's chunk
-        that cannot stop inside the share runs whole: vLLM ends its waiting
-        scan at a chunk of 0 tokens."""
-        assert self.token_shares is not None
-        user = user_of(request)
-        self.deferred_users.add(user)  # cut short: backlogged in the step
-        left = self.token_shares.get(user, 0)
+        """The chunk trimmed to ``left`` tokens (0: none of it runs). It stops
+        where a prefill may stop without sampling
+        (``EngineModes.hold_back_end``), or keeps its sampling position and
+        fewer draft tokens; it is not cut where an image must not be split
+        (``EngineModes.may_cut``). A waiting request's chunk that cannot stop
+        inside ``left`` runs whole: vLLM ends its waiting scan at a chunk of
+        0 tokens."""
         modes = self.rules.modes
         if left > 0 and modes.may_cut(
             request, num_computed_tokens, num_computed_tokens + num_new_tokens
@@ -201,6 +214,35 @@ class Step:
             return num_new_tokens
         self._raise_admission_cap()
         return 0
+
+    def _within_prompt_rate(
+        self,
+        prompt: PromptStep,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        end: int,
+    ) -> int:
+        """The chunk with no more prompt tokens than its user has left of
+        its prompt rate in the step (``prompt_budget.py``); those are used."""
+        user = user_of(request)
+        part = prompt_part(request, num_computed_tokens, num_new_tokens)
+        if not part:
+            return num_new_tokens
+        left = prompt.left(user)
+        if part > left:
+            # Only prompt tokens go: the cut stops before the sampling position.
+            num_new_tokens = self._cut(
+                request,
+                num_computed_tokens,
+                num_new_tokens,
+                end,
+                request.status == RequestStatus.RUNNING,
+                left,
+            )
+            part = prompt_part(request, num_computed_tokens, num_new_tokens)
+        prompt.use(user, part)
+        return num_new_tokens
 
     def _raise_admission_cap(self) -> None:
         """Let a resident request that is skipped in this step not count.
@@ -226,6 +268,9 @@ class Step:
         if shares is not None and shares.get(user, 0) <= 0:
             self.deferred_users.add(user)
             return False  # its user's share of the step's tokens is spent
+        prompt = self.prompt
+        if prompt is not None and prompt.cuts and not prompt.left(user):
+            return False  # its user's prompt rate is spent for now
         slots = self.slots
         if slots is not None and request.request_id in slots.preempted_ids:
             return False  # never resumed in the step that preempted it

@@ -1,0 +1,85 @@
+"""The flags of per-user prompt-token rates (``prompt_limits.py``).
+
+Two flags join the plugin's group and win over the same keys in
+``--additional-config``; like every limit they need output limiting on
+(``--default-user-output-tokens-per-second``, the plugin's switch).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from vllm_output_rate.config import DEFAULT_FLAG, OutputRateSettings
+from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
+from vllm_output_rate.prompt_limits import (
+    DEFAULT_PROMPT_FLAG,
+    PROMPT_USERS_FLAG,
+    PromptLimits,
+)
+from vllm_output_rate.validation import (
+    OutputRateConfigError,
+    parse_user_rates,
+    validate_rate,
+)
+
+
+def _rate(text: str) -> float:
+    try:
+        value: object = float(text)
+    except ValueError:
+        value = text
+    return validate_rate(value, DEFAULT_PROMPT_FLAG)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the prompt-rate flags to the plugin's group (once)."""
+    if DEFAULT_PROMPT_FLAG in parser._option_string_actions:
+        return
+    group = plugin_group(parser)
+    group.add_argument(
+        DEFAULT_PROMPT_FLAG,
+        type=config_arg(_rate),
+        default=None,
+        metavar="TOK_PER_S",
+        help="Prompt tokens each user may have computed per second (prefill and "
+        "recomputation; prefix-cache hits are free), paced like output tokens: "
+        "a user over it waits, never fails. Default: not limited.",
+    )
+    group.add_argument(
+        PROMPT_USERS_FLAG,
+        type=config_arg(lambda text: parse_user_rates(text, PROMPT_USERS_FLAG)),
+        default=None,
+        metavar="JSON",
+        help="Per-user prompt-token rates, e.g. '{\"batch\": 2000}'.",
+    )
+
+
+def with_prompt_flags(
+    args: argparse.Namespace, settings: OutputRateSettings | None
+) -> OutputRateSettings | None:
+    """``settings`` with the prompt-rate flags over their own prompt limits
+    (from ``--additional-config``); refused without output limiting."""
+    default = getattr(args, "default_user_prompt_tokens_per_second", None)
+    users = getattr(args, "user_prompt_tokens_per_second", None)
+    if default is None and users is None:
+        return settings
+    if settings is None:
+        # Output limits given in --additional-config only.
+        settings = OutputRateSettings.from_additional_config(
+            getattr(args, "additional_config", None)
+        )
+    if settings is None:
+        raise OutputRateConfigError(
+            f"{DEFAULT_PROMPT_FLAG} and {PROMPT_USERS_FLAG} need {DEFAULT_FLAG}"
+        )
+    base = settings.prompt_limits
+    if default is None:
+        if base is None:
+            raise OutputRateConfigError(
+                f"{PROMPT_USERS_FLAG} was given without {DEFAULT_PROMPT_FLAG}: "
+                "per-user prompt rates need a default for everyone else"
+            )
+        default = base.default_rate
+    users = {**(base.user_rates if base else {}), **(users or {})}
+    return replace(settings, prompt_limits=PromptLimits(default, users))

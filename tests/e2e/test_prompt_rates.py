@@ -1,0 +1,84 @@
+"""Prompt-token rates on a real server: a user's long prompts are computed
+at its prompt rate, and another user's answers come as if it were alone.
+
+One server: ``--max-num-seqs 64 --max-num-batched-tokens 512``, the prefix
+cache off (each prompt computed whole), output limits far above demand,
+prompt rates far above demand except the hog's, 3,000 prompt tokens a
+second. ``hog`` keeps 16 requests of ~600-token prompts going (one token out
+each); ``light`` sends 8-token streamed requests one after another through
+the official OpenAI client. Without a prompt rate every step carries ~500 of
+the hog's tokens and the light user's answers take 5-6 times as long as
+alone (BENCHMARKS.md, "prefill"); with it a step carries ~50.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+from openai import AsyncOpenAI
+
+from harness.prefill_load import ENGINE_ARGS, light_requests, start_hog
+from vllm_output_rate.demo.server import running_server
+
+pytestmark = pytest.mark.e2e
+
+HOG_RATE = 3_000.0  # prompt tokens per second
+ARGS = [
+    *ENGINE_ARGS,
+    "--no-enable-prefix-caching",
+    "--default-user-output-tokens-per-second",
+    "100000",
+    "--default-user-prompt-tokens-per-second",
+    "1000000",
+    "--user-prompt-tokens-per-second",
+    f'{{"hog": {HOG_RATE}}}',
+]
+LIGHT_REQUESTS = 20
+BURST_S = 0.1
+# Two steps of a few tokens each, and the HTTP front end's noise.
+MARGIN_S = 0.05
+
+
+async def alone_and_beside(
+    url: str, model: str
+) -> tuple[list[float], list[float], list[int], float]:
+    client = AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    await light_requests(client, model, 5)  # warm-up
+    _, alone = await light_requests(client, model, LIGHT_REQUESTS)
+    stop, prompts = asyncio.Event(), []
+    started = time.monotonic()
+    hogs = start_hog(client, model, stop, prompts)
+    await asyncio.sleep(3)  # the hog's prompts wait at its rate
+    _, beside = await light_requests(client, model, LIGHT_REQUESTS)
+    stop.set()
+    await asyncio.gather(*hogs)
+    elapsed = time.monotonic() - started
+    await client.close()
+    return alone, beside, prompts, elapsed
+
+
+def test_long_prompts_go_at_their_users_prompt_rate(tiny_model_path: str) -> None:
+    with running_server(tiny_model_path, ARGS) as server:
+        alone, beside, prompts, elapsed = asyncio.run(
+            alone_and_beside(str(server), tiny_model_path)
+        )
+    # Every answered prompt was computed in the window, all but its last
+    # token as prompt (that one is computed with the first output token).
+    computed = sum(tokens - 1 for tokens in prompts)
+    alone_s, beside_s = statistics.median(alone), statistics.median(beside)
+    print(
+        f"hog: {computed} prompt tokens in {elapsed:.1f} s "
+        f"({computed / elapsed:,.0f} tok/s, rate {HOG_RATE:,.0f}); light latency "
+        f"p50 alone {alone_s * 1e3:.0f} ms, beside {beside_s * 1e3:.0f} ms"
+    )
+    # The bound: at most (W + burst) x rate + 1 prompt tokens in W seconds.
+    assert computed <= (elapsed + BURST_S) * HOG_RATE + 1
+    # And the rate in the long run: its 16 streams always have prompts ready;
+    # what is still being computed at the end is at most 16 prompts.
+    assert computed >= elapsed * HOG_RATE - 16 * 700
+    assert beside_s <= 2 * alone_s + MARGIN_S, (alone, beside)

@@ -1,0 +1,122 @@
+"""Prompt-token rates from vLLM's own parser and from ``additional_config``:
+good values reach the engine's settings, bad ones and options nothing would
+apply are refused at start-up naming the option."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from harness.vllm_cli import parse_engine_args, vllm_parser
+from vllm_output_rate.config import OutputRateSettings
+from vllm_output_rate.prompt_limits import PromptLimits
+from vllm_output_rate.validation import OutputRateConfigError
+
+FLAG = "--default-user-output-tokens-per-second"
+PROMPT = "--default-user-prompt-tokens-per-second"
+PROMPT_USERS = "--user-prompt-tokens-per-second"
+
+
+@pytest.fixture(scope="module")
+def parser() -> FlexibleArgumentParser:
+    return vllm_parser()
+
+
+def prompt_limits(parser, model: str, *argv: str) -> PromptLimits | None:
+    _, config = parse_engine_args(parser, model, *argv)
+    settings = OutputRateSettings.from_additional_config(config.additional_config)
+    assert settings is not None
+    return settings.prompt_limits
+
+
+def test_the_flags_reach_the_engines_settings(parser, tiny_model_path: str) -> None:
+    limits = prompt_limits(
+        parser,
+        tiny_model_path,
+        FLAG,
+        "10",
+        PROMPT,
+        "2000",
+        PROMPT_USERS,
+        '{"batch": 500}',
+    )
+    assert limits == PromptLimits(2000.0, {"batch": 500.0})
+    assert prompt_limits(parser, tiny_model_path, FLAG, "10") is None
+
+
+def test_flags_win_over_additional_config(parser, tiny_model_path: str) -> None:
+    section = {
+        "default_user_output_tokens_per_second": 10,
+        "default_user_prompt_tokens_per_second": 100,
+        "user_prompt_tokens_per_second": {"a": 1, "b": 2},
+    }
+    config = json.dumps({"output_rate": section})
+    argv = ("--additional-config", config, PROMPT_USERS, '{"b": 20}')
+    limits = prompt_limits(parser, tiny_model_path, *argv)
+    assert limits == PromptLimits(100.0, {"a": 1.0, "b": 20.0})
+    # The section alone, and with the output flag beside it.
+    assert prompt_limits(
+        parser, tiny_model_path, "--additional-config", config
+    ) == PromptLimits(100.0, {"a": 1.0, "b": 2.0})
+    limits = prompt_limits(
+        parser, tiny_model_path, "--additional-config", config, FLAG, "20"
+    )
+    assert limits == PromptLimits(100.0, {"a": 1.0, "b": 2.0})
+
+
+def test_bad_values_are_refused_by_the_parser(parser, tiny_model_path: str) -> None:
+    for argv in (
+        [PROMPT, "0"],
+        [PROMPT, "fast"],
+        [PROMPT, "inf"],
+        [PROMPT_USERS, '{"a": -1}'],
+        [PROMPT_USERS, "[1]"],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", tiny_model_path, FLAG, "10", *argv])
+
+
+def test_options_nothing_would_apply_are_refused(parser, tiny_model_path: str) -> None:
+    with pytest.raises(OutputRateConfigError, match=f"need {FLAG}"):
+        parse_engine_args(parser, tiny_model_path, PROMPT, "100")
+    with pytest.raises(OutputRateConfigError, match="without"):
+        parse_engine_args(parser, tiny_model_path, FLAG, "10", PROMPT_USERS, '{"a": 1}')
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"default_user_prompt_tokens_per_second": 0}, "finite number > 0"),
+        ({"default_user_prompt_tokens_per_second": "x"}, "tokens per second"),
+        ({"user_prompt_tokens_per_second": {"a": 1}}, "need a default"),
+        (
+            {
+                "default_user_prompt_tokens_per_second": 5,
+                "user_prompt_tokens_per_second": {"": 1},
+            },
+            "user",
+        ),
+    ],
+)
+def test_bad_additional_config_names_the_key(section: dict, message: str) -> None:
+    config = {"output_rate": {"default_user_output_tokens_per_second": 10, **section}}
+    with pytest.raises(OutputRateConfigError, match=message):
+        OutputRateSettings.from_additional_config(config)
+
+
+def test_prompt_rates_without_limiting_are_refused() -> None:
+    config = {"output_rate": {"default_user_prompt_tokens_per_second": 5}}
+    with pytest.raises(OutputRateConfigError, match="need"):
+        OutputRateSettings.from_additional_config(config)
+
+
+def test_the_settings_round_trip_through_additional_config() -> None:
+    settings = OutputRateSettings(
+        default_rate=10.0, prompt_limits=PromptLimits(300.0, {"a": 30.0})
+    )
+    again = OutputRateSettings.from_additional_config(
+        {"output_rate": settings.to_additional_config()}
+    )
+    assert again is not None and again.prompt_limits == settings.prompt_limits
