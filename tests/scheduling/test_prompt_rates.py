@@ -13,6 +13,7 @@ import pytest
 
 from harness.bounds import MS, S, assert_window_bound
 from harness.scheduler_sim import SchedulerHarness
+from vllm_output_rate.scheduling.prompt_budget import MIN_PROMPT_CHUNK
 
 STEP_NS = 10 * MS
 FAR = 1e6  # tok/s: an output or prompt rate that never binds
@@ -40,6 +41,11 @@ def test_prompts_far_larger_than_the_burst_progress_at_the_rate(limited) -> None
     took_s = (times[-1] - times[0]) / S
     assert 6 * 899 / 2_000 - 0.2 <= took_s <= 6 * 899 / 2_000 + 0.2
     assert all(len(out) == 4 for out in h.outputs.values())  # nothing cut
+    # Steps of at least MIN_PROMPT_CHUNK of its prompt tokens, not a few in
+    # every step: it waits for its rate to allow them (a prompt's last
+    # chunk may be shorter).
+    steps = {d.step for d in h.dispatches if d.num_tokens > 1 or not d.samples}
+    assert len(steps) <= len(times) / MIN_PROMPT_CHUNK + 6, len(steps)
 
 
 @pytest.mark.parametrize("seed", range(4))

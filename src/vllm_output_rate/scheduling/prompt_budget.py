@@ -9,6 +9,9 @@ requests' whole prompts), in one limiter call (``StepBudget``):
 
 * every user got all it could use (``cuts`` false): vLLM sizes the chunks
   as ever, and settling charges what was computed;
+* a user that got less than ``MIN_PROMPT_CHUNK`` (or its whole prompt
+  work, if less) gives it back and waits until its rate allows that much:
+  fewer, larger chunks, since every step costs the engine its overhead;
 * someone got less: the step runs on the reference path, where
   ``Step.on_chunk`` cuts each chunk's prompt part to what is left of its
   user's reservation (``prompt_part``) and ``Step.admit_waiting`` keeps a
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _counted = attrgetter(USER_ATTR, "num_tokens", "num_computed_tokens")
+# The fewest prompt tokens a user computes in a step (or its whole prompt
+# work, if less): below that it waits for its rate to allow more.
+MIN_PROMPT_CHUNK = 64
 
 
 def prompt_demand(
@@ -96,10 +102,23 @@ class PromptStep:
         max_tokens: int,
     ) -> None:
         self.limiter = limiter
-        self.budget = StepBudget(limiter, demand, max_tokens)
+        self.budget = budget = StepBudget(limiter, demand, max_tokens)
         self.residents = residents
+        # A user that got less than a chunk's worth waits for more, rather
+        # than computing a few tokens a step (every step costs the engine
+        # its fixed overhead, and the other users their time).
+        self.wanted = {
+            user: min(count, MIN_PROMPT_CHUNK) for user, count in demand.items()
+        }
+        short = [
+            user
+            for user, count in budget.reserved.items()
+            if count < self.wanted.get(user, 0)
+        ]
+        if short:
+            budget.withdraw(short)
         # Somebody got less than it could compute: the step cuts chunks.
-        self.cuts = not self.budget.covers_demand
+        self.cuts = not budget.covers_demand
 
     def cap(self, needs: Mapping[str, int]) -> dict[str, int]:
         """A step's token needs (``token_shares.py``) no larger than what each
@@ -136,4 +155,13 @@ class PromptStep:
                 undispatched[user] = let_through - done
             elif done > let_through:  # a chunk that could not be cut
                 self.limiter.take_up_to(user, done - let_through)
-        return budget.settle(undispatched)
+        if budget.settle(undispatched) is None:
+            return None
+        # When the first refused user has a chunk's worth (GCRA: one token at
+        # ready_at_ns, one more every 1 / rate).
+        limiter = self.limiter
+        return min(
+            limiter.ready_at_ns(user)
+            + int((self.wanted.get(user, 1) - 1) * 1e9 / limiter.rate_of(user))
+            for user in budget.refused_users
+        )

@@ -19,7 +19,7 @@ asked again in the same step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from operator import itemgetter
 
 from vllm_output_rate.budget import Budget
@@ -54,6 +54,16 @@ class StepBudget:
     def reserved(self) -> Mapping[str, int]:
         """Tokens reserved per user for this step (read-only view)."""
         return self._reserved
+
+    def withdraw(self, users: Iterable[str]) -> None:
+        """Give ``users``' reservations back now: they are refused for the
+        step (a caller that wants no tokens rather than too few)."""
+        refunds = {user: self._reserved[user] for user in users}
+        self.limiter.refund_many(refunds)
+        for user in refunds:
+            self._reserved[user] = self._remaining[user] = 0
+            self.refused_users.add(user)
+        self.covers_demand = False
 
     def has_budget(self, user: str) -> bool:
         """Whether ``user`` can still sample a token in this step."""
