@@ -5,7 +5,7 @@ long prompts, stock vLLM against ours (issue 38).
    with limits far above demand, so only the step's token shares act): the
    light user sends short streamed requests (8 tokens out) one after
    another, alone and then beside ``hog``, which keeps 16 requests of
-   ~600-token prompts of random words going (one token out each). Per
+   ~1,400-token prompts of random words going (one token out each). Per
    server: the light user's time to first token (p50, p95) and latency
    (p50) at the client, alone and beside, and the hog's answers per second
    beside. Stock and ours run one after the other with the same load.

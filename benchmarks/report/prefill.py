@@ -14,7 +14,7 @@ ABOUT = (
     "`--max-num-seqs 64 --max-num-batched-tokens 512`, ours with limits far "
     "above demand (only the step's token shares act). The light user sends "
     "{light} short streamed requests (8 tokens out) one after another, alone "
-    "and then beside `hog`, which keeps {hog} requests of ~600-token prompts "
+    "and then beside `hog`, which keeps {hog} requests of ~1,400-token prompts "
     "of random words going (one token out each); stock and ours one after the "
     "other with the same load, figures at the client (official OpenAI client)."
 )

@@ -3,7 +3,7 @@ light user's time to first token.
 
 One server with the plugin's defaults (limits far above demand, so no limit
 binds and the step's token shares do the work): ``--max-num-seqs 64
---max-num-batched-tokens 512``. ``hog`` keeps 16 requests of ~600-token
+--max-num-batched-tokens 512``. ``hog`` keeps 16 requests of ~1,400-token
 prompts of random words going (one token out each, so the prefix cache
 cannot help and nothing of the hog's is throttled); ``light`` sends short
 streamed requests one after another, through the official OpenAI client. On

@@ -4,11 +4,12 @@ at its prompt rate, and another user's answers come as if it were alone.
 One server: ``--max-num-seqs 64 --max-num-batched-tokens 512``, the prefix
 cache off (each prompt computed whole), output limits far above demand,
 prompt rates far above demand except the hog's, 3,000 prompt tokens a
-second. ``hog`` keeps 16 requests of ~600-token prompts going (one token out
-each); ``light`` sends 8-token streamed requests one after another through
-the official OpenAI client. Without a prompt rate every step carries ~500 of
-the hog's tokens and the light user's answers take 5-6 times as long as
-alone (BENCHMARKS.md, "prefill"); with it a step carries ~50.
+second. ``hog`` keeps 16 requests of ~1,400-token prompts going (one token
+out each); ``light`` sends 8-token streamed requests one after another
+through the official OpenAI client. Without a prompt rate every step
+carries ~500 of the hog's tokens and the light user's answers take several
+times as long as alone (BENCHMARKS.md, "prefill"); with it the hog's
+prompts are a small part of the steps.
 """
 
 from __future__ import annotations

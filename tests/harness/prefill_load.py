@@ -21,7 +21,7 @@ ENGINE_ARGS = (
     "512",
 )
 HOG_STREAMS = 16
-HOG_WORDS = 300  # about 600 prompt tokens on the tiny model
+HOG_WORDS = 300  # about 1,400 prompt tokens on the tiny model
 # Random words, so that the prefix cache cannot help the hog.
 WORDS = [f"w{i}" for i in range(5000)]
 
