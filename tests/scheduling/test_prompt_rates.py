@@ -48,6 +48,17 @@ def test_prompts_far_larger_than_the_burst_progress_at_the_rate(limited) -> None
     assert len(steps) <= len(times) / MIN_PROMPT_CHUNK + 6, len(steps)
 
 
+def test_a_rate_whose_burst_is_less_than_a_chunk_still_progresses(limited) -> None:
+    # 100 tok/s: at most 11 tokens at once, fewer than MIN_PROMPT_CHUNK.
+    h = limited(FAR, prompt={"default": 100.0}, max_num_batched_tokens=512)
+    h.add("slow", prompt_len=301, max_tokens=2)
+    h.run_until_done(STEP_NS)
+    times = prompt_token_times(h, "slow")
+    assert len(times) == 300
+    assert_window_bound(times, 100.0)
+    assert (times[-1] - times[0]) / S == pytest.approx(3.0 - 0.1, abs=0.15)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_window_bound_holds_for_every_user(limited, seed: int) -> None:
     rng = random.Random(seed)

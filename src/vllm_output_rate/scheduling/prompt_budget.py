@@ -10,7 +10,8 @@ requests' whole prompts), in one limiter call (``StepBudget``):
 * every user got all it could use (``cuts`` false): vLLM sizes the chunks
   as ever, and settling charges what was computed;
 * a user that got less than ``MIN_PROMPT_CHUNK`` (or its whole prompt
-  work, if less) gives it back and waits until its rate allows that much:
+  work, or what its rate grants at once, if less) gives it back and waits
+  until its rate allows that much:
   fewer, larger chunks, since every step costs the engine its overhead;
 * someone got less: the step runs on the reference path, where
   ``Step.on_chunk`` cuts each chunk's prompt part to what is left of its
@@ -107,8 +108,11 @@ class PromptStep:
         # A user that got less than a chunk's worth waits for more, rather
         # than computing a few tokens a step (every step costs the engine
         # its fixed overhead, and the other users their time).
+        # (Never more than the user's rate can grant at once: a slow rate's
+        # burst holds fewer than a chunk.)
         self.wanted = {
-            user: min(count, MIN_PROMPT_CHUNK) for user, count in demand.items()
+            user: min(count, MIN_PROMPT_CHUNK, limiter.tokens_within(user, 0))
+            for user, count in demand.items()
         }
         short = [
             user
