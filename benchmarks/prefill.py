@@ -2,13 +2,15 @@
 long prompts, stock vLLM against ours (issue 38).
 
 1. **Servers** (``--max-num-seqs 64 --max-num-batched-tokens 512``, ours
-   with limits far above demand, so only the step's token shares act): the
+   with limits far above demand, so only the step's token shares act, and
+   ours with the hog's prompts paced at 3,000 tok/s besides): the
    light user sends short streamed requests (8 tokens out) one after
    another, alone and then beside ``hog``, which keeps 16 requests of
    ~1,400-token prompts of random words going (one token out each). Per
    server: the light user's time to first token (p50, p95) and latency
-   (p50) at the client, alone and beside, and the hog's answers per second
-   beside. Stock and ours run one after the other with the same load.
+   (p50) at the client, alone and beside, and the hog's answers and prompt
+   tokens per second from its start to its last answer. The servers run one
+   after the other with the same load.
 2. **Step cost with U = 1,000 users prefilling** (vLLM's real scheduler
    and KV cache manager, no model): each user keeps one request of a
    1,500-token prompt going, 8,192 tokens a step; ``schedule()`` of ours
@@ -45,11 +47,23 @@ from harness.prefill_load import (
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.loadtest.summary import percentile
 
+OURS_FLAGS = ["--default-user-output-tokens-per-second", f"{FAR_LIMIT:g}"]
+OURS_ENV = {"VLLM_PLUGINS": "output_rate,output_rate_http"}
+# The hog's prompt tokens paced (prompt_limits.py); nobody else's bind.
+HOG_PROMPT_RATE = 3_000.0
+PROMPT_RATE = "ours, hog's prompts at 3,000 tok/s"
 SERVERS = {
     "stock": ([], {"VLLM_PLUGINS": ""}),
-    "ours": (
-        ["--default-user-output-tokens-per-second", f"{FAR_LIMIT:g}"],
-        {"VLLM_PLUGINS": "output_rate,output_rate_http"},
+    "ours": (OURS_FLAGS, OURS_ENV),
+    PROMPT_RATE: (
+        [
+            *OURS_FLAGS,
+            "--default-user-prompt-tokens-per-second",
+            f"{FAR_LIMIT:g}",
+            "--user-prompt-tokens-per-second",
+            f'{{"hog": {HOG_PROMPT_RATE:g}}}',
+        ],
+        OURS_ENV,
     ),
 }
 LIGHT_REQUESTS = {True: 15, False: 40}  # quick, full
@@ -72,14 +86,14 @@ async def _measure_server(url: str, model: str, count: int) -> dict[str, Any]:
     )
     await light_requests(client, model, 5)  # warm-up
     alone = _figures(*await light_requests(client, model, count))
-    stop = asyncio.Event()
-    hogs = start_hog(client, model, stop)
+    stop, prompts = asyncio.Event(), []
+    hogs = start_hog(client, model, stop, prompts)
     await asyncio.sleep(3)  # the hog's prompts fill every step
     started = time.monotonic()
     beside = _figures(*await light_requests(client, model, count))
-    window = time.monotonic() - started
     stop.set()
     answered = sum(await asyncio.gather(*hogs))
+    hog_s = time.monotonic() - started + 3
     await client.close()
     return {
         "alone": alone,
@@ -87,7 +101,10 @@ async def _measure_server(url: str, model: str, count: int) -> dict[str, Any]:
         "ttft_p50_ratio": beside["ttft_p50_s"] / alone["ttft_p50_s"],
         "ttft_p95_ratio": beside["ttft_p95_s"] / alone["ttft_p95_s"],
         "latency_p50_ratio": beside["latency_p50_s"] / alone["latency_p50_s"],
-        "hog_answers_per_s": answered / window,
+        # From the hog's start to its last answer: its answers, and all their
+        # prompt tokens but each one's last (computed with its output token).
+        "hog_answers_per_s": answered / hog_s,
+        "hog_prompt_tokens_per_s": sum(n - 1 for n in prompts) / hog_s,
     }
 
 
