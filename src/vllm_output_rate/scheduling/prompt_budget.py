@@ -84,9 +84,8 @@ def computed_prompt_tokens(
         request = requests.get(request_id)
         if request is None:
             continue
-        after = request.num_computed_tokens
-        prompt = min(after, request.num_tokens - 1) - (after - count)
-        if prompt > 0:
+        prompt = prompt_part(request, request.num_computed_tokens - count, count)
+        if prompt:
             counts[user_of(request)] += prompt
     return counts
 

@@ -138,7 +138,12 @@ class Step:
         prompt = self.prompt
         if prompt is not None and prompt.cuts:
             num_new_tokens = self._within_prompt_rate(
-                prompt, request, num_computed_tokens, num_new_tokens, end
+                prompt,
+                request,
+                num_computed_tokens,
+                num_new_tokens,
+                end,
+                in_running_loop,
             )
             if not num_new_tokens:
                 return 0
@@ -222,6 +227,7 @@ class Step:
         num_computed_tokens: int,
         num_new_tokens: int,
         end: int,
+        in_running_loop: bool,
     ) -> int:
         """The chunk with no more prompt tokens than its user has left of
         its prompt rate in the step (``prompt_budget.py``); those are used."""
@@ -237,7 +243,7 @@ class Step:
                 num_computed_tokens,
                 num_new_tokens,
                 end,
-                request.status == RequestStatus.RUNNING,
+                in_running_loop,
                 left,
             )
             part = prompt_part(request, num_computed_tokens, num_new_tokens)
