@@ -14,6 +14,7 @@ import pytest
 from harness.bounds import MS, S, assert_window_bound
 from harness.scheduler_sim import SchedulerHarness
 from vllm_output_rate.scheduling.prompt_budget import MIN_PROMPT_CHUNK
+from vllm_output_rate.scheduling.settling import CLEANUP_EVERY_STEPS
 
 STEP_NS = 10 * MS
 FAR = 1e6  # tok/s: an output or prompt rate that never binds
@@ -118,3 +119,18 @@ def test_prefix_cache_hits_are_free(limited) -> None:
     # Only what the cache did not hold is computed, and charged (the
     # fixture's accounting check).
     assert computed < 64, computed
+
+
+def test_users_that_left_are_forgotten(limited) -> None:
+    # Like the output limiter's: a user whose prompt budget is back to full
+    # is dropped at the periodic cleanup, so state does not grow with every
+    # user ever seen.
+    h = limited(FAR, prompt={"default": 2_000.0}, max_num_batched_tokens=512)
+    for i in range(20):
+        h.add(f"once-{i}", prompt_len=300, max_tokens=1)
+    h.run_until_done(STEP_NS)
+    prompt_limiter = h.scheduler.output_rate.prompt_limiter
+    assert len(prompt_limiter) > 0
+    for _ in range(CLEANUP_EVERY_STEPS):
+        h.step(STEP_NS)
+    assert len(prompt_limiter) == 0

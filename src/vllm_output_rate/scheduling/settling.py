@@ -184,6 +184,8 @@ def _forget_idle(policy: OutputRatePolicy, now_ns: int) -> None:
     ``CLEANUP_EVERY_STEPS`` steps)."""
     host = policy.host
     policy.limiter.cleanup_idle_users()
+    if policy.prompt_limiter is not None:
+        policy.prompt_limiter.cleanup_idle_users()
     live = {user_of(r) for r in host.running}
     policy.user_last_served = {
         u: s for u, s in policy.user_last_served.items() if u in live
