@@ -100,6 +100,9 @@ class TestFigures:
         # Sent to last token: 0.5, 0.7 and 0.6 s.
         assert f.rate_client == pytest.approx(12 / 1.8)
         assert f.limit is None and f.bound_held is None and not figures.limited
+        # Client TTFT less the engine's, p50 over all four answers.
+        assert f.outside_engine_s == pytest.approx(0.085, abs=0.005)
+        assert figures.users["hog"].outside_engine_s is None  # no engine timings
 
     def test_the_others_over_the_window_and_with_limits_at_the_engine(self) -> None:
         # 12 tokens, 0.5 s apart from 0.1 s: 10 fall within the 5 s window.

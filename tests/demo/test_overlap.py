@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from harness.demo_figures import HOG, LIGHT, LIMITED, SCENE, STOCK
 from vllm_output_rate.demo import run
 from vllm_output_rate.demo.busy import OthersCpu
+from vllm_output_rate.demo.engine_tally import EngineTally
 from vllm_output_rate.demo.engine_view import EngineWatch, Reading
 from vllm_output_rate.demo.figures import EngineView, RunFigures
 from vllm_output_rate.demo.judging import judge_scene
@@ -24,7 +25,7 @@ from vllm_output_rate.demo.overlap import (
     light_window_covered,
 )
 from vllm_output_rate.demo.scenes import DemoUser, Scene
-from vllm_output_rate.demo.stage import Played, ServerSpec
+from vllm_output_rate.demo.stage import DemoError, Played, ServerSpec
 from vllm_output_rate.loadtest import LoadResult, LoadSpec, RequestRecord, UserLoad
 
 
@@ -35,7 +36,8 @@ def result(
     request per (start, end) span, times from the window's start."""
     duration = SCENE.duration_s - user.start_after_s
     records = [
-        RequestRecord(user.name, 0, start, end, status=200) for start, end in spans
+        RequestRecord(user.name, 0, start, end, status=200, finish_reason="length")
+        for start, end in spans
     ]
     spec = LoadSpec("http://x", "m", [UserLoad(user.name, 1)], duration_s=duration)
     return LoadResult.build(spec, records, duration, window_opened_s=opened)
@@ -124,9 +126,10 @@ class FakeServers:
 
 
 class TestPlayedAgain:
-    def runs(self, *hog_opened: float) -> list[Played]:
+    def runs(self, *hog_opened: float, finished: int = 2) -> list[Played]:
         """Runs in which the light user's window opens at 101 s and the hog's
-        at each of ``hog_opened``."""
+        at each of ``hog_opened``; the engine finished ``finished`` requests
+        (each user got one answer)."""
         return [
             Played(
                 {
@@ -135,6 +138,7 @@ class TestPlayedAgain:
                 },
                 None,
                 OthersCpu(),
+                EngineTally(finished=finished, prompt_tokens=0, output_tokens=0),
             )
             for opened in hog_opened
         ]
@@ -201,3 +205,13 @@ def watch_of() -> EngineWatch:
     engine = EngineWatch("http://unused", "key")
     engine.readings = [Reading(100.0 + t, {"hog": 5 * t}) for t in range(6)]
     return engine
+
+
+def test_answers_the_engine_did_not_give_stop_the_demo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The clients got two answers; the server's engine finished one: the
+    # other came from elsewhere, so the run measured something else.
+    runs = TestPlayedAgain().runs(100.5, finished=1)
+    with pytest.raises(DemoError, match=r"1 of the 2 answers .* did not come from"):
+        TestPlayedAgain().play_side(monkeypatch, tmp_path, runs)

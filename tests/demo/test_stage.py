@@ -152,6 +152,9 @@ def test_a_stock_run_drives_every_user_with_its_own_load(
     light, hog = played.results["light"], played.results["hog"]
     assert light.spec.duration_s == pytest.approx(0.7)  # from 0.3 s to the end
     assert {r.stream for r in hog.records} == {0, 1, 2}
+    # The engine's own count: every answer the clients got, none missing.
+    answered = sum(r.ok for result in played.results.values() for r in result.records)
+    assert played.tally.finished == answered > 0
     assert all(r.ok and r.engine_metrics == ENGINE_METRICS for r in light.records)
     users = {body["vllm_xargs"]["output_rate_user"] for body in seen}
     assert users == {"light", "hog"}

@@ -18,6 +18,9 @@ The model named in a request picks its script:
   ``str.splitlines()`` ends lines at besides CR/LF (``SEPARATOR_TEXT``),
   written as vLLM writes JSON: U+0085, U+2028 and U+2029 unescaped.
 
+``GET /metrics`` counts, as vLLM's counters do, the requests whose stream it
+finished and the tokens it sent (prompt tokens: one per prompt word).
+
 What the real server does is tested end to end against vLLM
 (tests/e2e/test_load_tool.py); this one only scripts the cases a real
 server will not produce on demand.
@@ -56,6 +59,9 @@ ENGINE_METRICS = {"queue_time_ms": 1.5, "time_to_first_token_ms": 2.0}
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     requests_seen: list[dict[str, Any]]
+    finished = 0
+    prompt_tokens = 0
+    output_tokens = 0
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -75,6 +81,18 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, json.dumps({"data": [{"id": m} for m in MODELS]}).encode())
+        elif self.path == "/metrics":
+            s = self.server
+            counters = {
+                'vllm:request_success_total{finished_reason="length"}': s.finished,
+                "vllm:prompt_tokens_total": s.prompt_tokens,
+                "vllm:generation_tokens_total": s.output_tokens,
+            }
+            page = "".join(
+                f"# TYPE {name.split('{')[0]} counter\n{name} {value}\n"
+                for name, value in counters.items()
+            )
+            self._send(200, page.encode())
         else:
             self._send(404, b"{}")
 
@@ -127,6 +145,9 @@ class _Handler(BaseHTTPRequestHandler):
             final["metrics"] = ENGINE_METRICS
         self._event(final)
         self.wfile.write(b"data: [DONE]\n\n")
+        self.server.finished += 1
+        self.server.prompt_tokens += len(str(body.get("prompt", "")).split())
+        self.server.output_tokens += n
 
     def _event(self, payload: dict[str, Any]) -> None:
         # Like vLLM (pydantic's JSON): non-ASCII characters are not escaped.

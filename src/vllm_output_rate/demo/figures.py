@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from vllm_output_rate.demo.engine_tally import EngineTally
 from vllm_output_rate.demo.engine_view import EngineWatch
 from vllm_output_rate.demo.scenes import DemoUser, Role, Scene
 from vllm_output_rate.loadtest import LoadResult, RequestRecord
@@ -62,6 +63,9 @@ class UserFigures:
     rate_engine: float | None = None  # tok/s, see the module docstring
     rate_client: float | None = None
     bound_held: bool | None = None  # at the engine; with limits only
+    # p50 of the client's TTFT less the engine's: the time a request spent
+    # in the HTTP front end (both ways) and the client.
+    outside_engine_s: float | None = None
 
 
 @dataclass
@@ -73,6 +77,7 @@ class RunFigures:
     # The share of the light user's window the others' requests covered
     # (overlap.py); None when it could not be told.
     covered: float | None = None
+    tally: EngineTally | None = None  # what the engine did (engine_tally.py)
 
 
 @dataclass
@@ -115,6 +120,18 @@ def engine_time_s(r: RequestRecord) -> float | None:
     if first is None or not isinstance(generation, (int, float)):
         return None
     return first + generation / 1000.0
+
+
+def outside_engine_s(records: list[RequestRecord]) -> float | None:
+    return _median(
+        [
+            r.ttft_s - engine
+            for r in records
+            if r.ok
+            and r.ttft_s is not None
+            and (engine := engine_ttft_s(r)) is not None
+        ]
+    )
 
 
 def _median(values: list[float]) -> float | None:
@@ -179,6 +196,7 @@ def run_figures(
             light_figures(fig, result)
         else:
             window_figures(fig, user, result, engine)
+        fig.outside_engine_s = outside_engine_s(result.records)
         if engine is not None and fig.limit is not None:
             fig.bound_held = engine.watch.bound_held(
                 user.name, fig.limit, until_s=engine.end_s

@@ -18,9 +18,11 @@ draws the chart (``chart.py``), keeps the raw results and server logs in
 ``results/demo/``, and says in plain words when other programs took too much
 of the machine for the figures to mean much (``busy.py``). A run in which
 the users' clients did not load the server together (``overlap.py``) is
-played again, and says so. Exit code 1 only
-when a request failed, a bound broke, a server did not start or stopped
-under it, or the plugin's stats could not be read.
+played again, and says so. Each run line also gives what the server's engine
+did (``engine_tally.py``): a client answer it did not give stops the demo.
+Exit code 1 only when a request failed, a bound broke, a server did not
+start or stopped under it, or the plugin's stats or vLLM's counters could
+not be read.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from vllm_output_rate.demo.engine_tally import unseen_answers
 from vllm_output_rate.demo.figures import RunFigures, run_figures
 from vllm_output_rate.demo.judging import SceneResult, headline, too_busy
 from vllm_output_rate.demo.overlap import MIN_COVERED, light_window_covered
@@ -99,13 +102,22 @@ def describe(scene: Scene, figures: RunFigures) -> str:
                 + ("" if answered is None else f", {answered:.0%} answered")
             )
         else:
-            parts.append(f"{name}: {_rate(f.rate_engine or f.rate_client)}")
-    busy = (
-        ""
-        if figures.others_cores is None
-        else f" [others: {figures.others_cores:.1f} cores]"
-    )
-    return f"   {scene.title}, {side}: " + "; ".join(parts) + busy
+            outside = (
+                ""
+                if f.outside_engine_s is None
+                else f", {_ms(f.outside_engine_s)} outside the engine"
+            )
+            parts.append(f"{name}: {_rate(f.rate_engine or f.rate_client)}{outside}")
+    notes = []
+    if (tally := figures.tally) is not None:
+        notes.append(
+            f"engine: {tally.finished:,.0f} answers, "
+            f"{tally.prompt_tokens:,.0f} prompt tokens"
+        )
+    if figures.others_cores is not None:
+        notes.append(f"others: {figures.others_cores:.1f} cores")
+    extra = f" [{'; '.join(notes)}]" if notes else ""
+    return f"   {scene.title}, {side}: " + "; ".join(parts) + extra
 
 
 def introduce(scene: Scene) -> str:
@@ -151,7 +163,15 @@ def play_side(
         f = run_figures(scene, played.results, played.engine)
         f.others_cores, f.others_share = played.others.cores, played.others.share
         f.covered = light_window_covered(scene, played.results)
+        f.tally = played.tally
         print(describe(scene, f), flush=True)
+        answered = [u.outcomes.ok for u in f.users.values()]
+        if unseen := unseen_answers(played.tally, answered):
+            raise DemoError(
+                f"{unseen} of the {sum(answered)} answers the clients got did not "
+                f"come from the engine of the server at {url} (it finished "
+                f"{played.tally.finished:,.0f}): the run measured another server"
+            )
         if f.covered is None or f.covered >= MIN_COVERED:
             break
         print(

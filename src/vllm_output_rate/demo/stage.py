@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from vllm_output_rate.demo.busy import OthersCpu
+from vllm_output_rate.demo.engine_tally import EngineTally, TallyError, read_tally
 from vllm_output_rate.demo.engine_view import EngineWatch
 from vllm_output_rate.demo.figures import EngineView
 from vllm_output_rate.demo.scenes import DemoUser, Scene
@@ -162,6 +163,7 @@ class Played:
     results: dict[str, LoadResult]
     engine: EngineView | None
     others: OthersCpu
+    tally: EngineTally  # what the server's engine did in the run
 
 
 def _user_load(conn: Connection, spec: LoadSpec, start_after_s: float) -> None:
@@ -237,12 +239,20 @@ def put_limits(url: str, admin_key: str, body: dict[str, Any]) -> None:
         raise DemoError(f"could not change the limits between runs: {exc}") from exc
 
 
+def _tally(url: str) -> EngineTally:
+    try:
+        return read_tally(url)
+    except TallyError as exc:
+        raise DemoError(str(exc)) from exc
+
+
 def _drive(
     scene: Scene, url: str, model: str, spec: ServerSpec, watch: EngineWatch | None
-) -> tuple[dict[str, LoadResult], float]:
+) -> tuple[dict[str, LoadResult], float, EngineTally]:
     """Every user's load, each in a client process of its own: one client
     per user, as in real life, so that parsing the hog's stream never
-    delays the light user's. Returns the results and the run's start."""
+    delays the light user's. Returns the results, the run's start and what
+    the server's engine did meanwhile."""
     context = multiprocessing.get_context("spawn")
     clients = []
     try:
@@ -257,6 +267,7 @@ def _drive(
         for _, conn in clients:
             if _receive(conn) != READY:
                 raise RuntimeError("a client process did not start")
+        before = _tally(url)
         start = time.monotonic()  # the engine's clock too
         for _, conn in clients:
             conn.send(start)
@@ -265,7 +276,8 @@ def _drive(
                 time.sleep(max(0.0, start + scene.duration_s - time.monotonic()))
                 put_limits(url, spec.admin_key, lifted_limits(scene))
             results = [_receive(conn) for _, conn in clients]
-        return dict(zip([u.name for u in scene.users], results, strict=True)), start
+        by_user = dict(zip([u.name for u in scene.users], results, strict=True))
+        return by_user, start, _tally(url) - before
     finally:
         for process, _ in clients:
             process.join(timeout=5)
@@ -278,8 +290,8 @@ def play(scene: Scene, url: str, model: str, spec: ServerSpec) -> Played:
     """Run ``scene``'s load once against the server at ``url``."""
     watch = EngineWatch(url, spec.admin_key) if spec.limited else None
     with OthersCpu() as others:
-        results, start = _drive(scene, url, model, spec, watch)
+        results, start, tally = _drive(scene, url, model, spec, watch)
     engine = (
         None if watch is None else EngineView(watch, start, start + scene.duration_s)
     )
-    return Played(results, engine, others)
+    return Played(results, engine, others, tally)
