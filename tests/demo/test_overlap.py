@@ -16,8 +16,8 @@ from vllm_output_rate.demo import run
 from vllm_output_rate.demo.busy import OthersCpu
 from vllm_output_rate.demo.engine_tally import EngineTally
 from vllm_output_rate.demo.engine_view import EngineWatch, Reading
-from vllm_output_rate.demo.figures import EngineView, RunFigures
-from vllm_output_rate.demo.judging import judge_scene
+from vllm_output_rate.demo.figures import EngineView, Outcomes, RunFigures
+from vllm_output_rate.demo.judging import judge_scene, unequal_load
 from vllm_output_rate.demo.overlap import (
     MIN_COVERED,
     covered_share,
@@ -215,3 +215,65 @@ def test_answers_the_engine_did_not_give_stop_the_demo(
     runs = TestPlayedAgain().runs(100.5, finished=1)
     with pytest.raises(DemoError, match=r"1 of the 2 answers .* did not come from"):
         TestPlayedAgain().play_side(monkeypatch, tmp_path, runs)
+
+
+class TestSameLoad:
+    """An unthrottled other user gets about as many answers in both runs;
+    when not, one run did not hold the scene: stock is played again."""
+
+    OTHER = dataclasses.replace(HOG, role="other", limit=None)
+    SCENE = dataclasses.replace(SCENE, users=(LIGHT, OTHER))
+
+    def runs(self, stock_answers: int, limited_answers: int) -> tuple[RunFigures, ...]:
+        def with_answers(figures: RunFigures, ok: int) -> RunFigures:
+            hog = dataclasses.replace(
+                figures.users["hog"], role="other", outcomes=Outcomes(ok=ok)
+            )
+            return dataclasses.replace(figures, users={**figures.users, "hog": hog})
+
+        return with_answers(STOCK, stock_answers), with_answers(
+            LIMITED, limited_answers
+        )
+
+    def test_the_same_load_is_judged(self) -> None:
+        stock, limited = self.runs(56, 43)  # 43 >= 0.75 x 56
+        assert unequal_load(self.SCENE, stock, limited) is None
+        light, _ = judge_scene(self.SCENE, stock, limited)
+        assert light.short == "better"
+
+    def test_a_run_short_of_the_others_load_is_not_judged(self) -> None:
+        stock, limited = self.runs(33, 53)  # what CI printed once
+        why = unequal_load(self.SCENE, stock, limited)
+        assert why == (
+            "not judged: hog got 33 answers on stock vLLM and 53 with limits, "
+            "not the same load"
+        )
+        light, _ = judge_scene(self.SCENE, stock, limited)
+        assert (light.good, light.short, light.text) == (False, "not judged", why)
+
+    def test_a_throttled_users_answers_may_differ(self) -> None:
+        stock, limited = self.runs(200, 20)
+        assert unequal_load(SCENE, stock, limited) is None  # its hog is throttled
+
+    def test_stock_is_played_again_until_the_loads_match(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        stock_short, limited = self.runs(33, 53)
+        stock_ok, _ = self.runs(55, 53)
+        sides = iter([stock_short, limited, stock_ok])
+        played: list[bool] = []
+
+        def play_side(*args: Any, limited: bool) -> RunFigures:
+            played.append(limited)
+            return next(sides)
+
+        monkeypatch.setattr(run, "play_side", play_side)
+        result = run.play_scene(tmp_path, "m", self.SCENE, FakeServers())  # type: ignore[arg-type]
+        assert played == [False, True, False]
+        assert result.stock is stock_ok
+        assert "hog got 33 answers on stock vLLM and 53 with limits" in (
+            capsys.readouterr().out
+        )

@@ -13,6 +13,8 @@
   of the plugin's stats readings, must hold for every user with a limit;
 * a light user is *not judged* when, in either run, the others' requests
   did not cover its window (``overlap.py``): it ran beside an idle server;
+  or when an unthrottled other user's load was not the same in both runs
+  (``unequal_load``: one of them did not hold the scene);
 * everyone: no failed request in either run. A 429 to a refusable user is
   its own excess refused by design, and a 503 on stock vLLM its queue caps
   full: counted and shown, never a failure.
@@ -35,6 +37,9 @@ AT_LIMIT = 0.9  # engine rate / limit, at least, for "at its limit"
 # Other programs using more than this share of the machine's cores during a
 # run: the servers lacked CPU and the figures mean little (busy.py).
 BUSY_SHARE = 0.5
+# An unthrottled user's answers in one run, at least this share of the other
+# run's: the same load, so the runs compare (unequal_load).
+SAME_LOAD = 0.75
 
 
 @dataclass
@@ -124,13 +129,33 @@ def uncovered(stock: RunFigures, limited: RunFigures) -> str | None:
     return None
 
 
+def unequal_load(scene: Scene, stock: RunFigures, limited: RunFigures) -> str | None:
+    """Why the light user cannot be judged: an unthrottled other user whose
+    answers on one side fell short of ``SAME_LOAD`` of the other side's. No
+    limit binds it, so the same load should get about as many answers on
+    both; when it does not, one run did not hold the scene. None when all
+    matched."""
+    for user in scene.with_role("other"):
+        counts = (
+            stock.users[user.name].outcomes.ok,
+            limited.users[user.name].outcomes.ok,
+        )
+        if min(counts) < SAME_LOAD * max(counts):
+            return (
+                f"not judged: {user.name} got {counts[0]} answers on stock vLLM and "
+                f"{counts[1]} with limits, not the same load"
+            )
+    return None
+
+
 def judge_user(
     scene: Scene, name: str, stock: RunFigures, limited: RunFigures
 ) -> Verdict:
     user = next(u for u in scene.users if u.name == name)
     before, after = stock.users[name], limited.users[name]
     good, short, text = True, "shown", "shown only"
-    if user.role == "light" and (why := uncovered(stock, limited)):
+    why = uncovered(stock, limited) or unequal_load(scene, stock, limited)
+    if user.role == "light" and why:
         good, short, text = False, "not judged", why
     elif user.role == "light" and scene.light_measure == "answers":
         good, short, text = answers_verdict(before, after)

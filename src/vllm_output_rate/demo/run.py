@@ -37,7 +37,12 @@ from pathlib import Path
 
 from vllm_output_rate.demo.engine_tally import unseen_answers
 from vllm_output_rate.demo.figures import RunFigures, run_figures
-from vllm_output_rate.demo.judging import SceneResult, headline, too_busy
+from vllm_output_rate.demo.judging import (
+    SceneResult,
+    headline,
+    too_busy,
+    unequal_load,
+)
 from vllm_output_rate.demo.overlap import MIN_COVERED, light_window_covered
 from vllm_output_rate.demo.scenes import SCENES, Scene, scene_by_key
 from vllm_output_rate.demo.server import ServerStartError
@@ -184,8 +189,15 @@ def play_side(
 
 
 def play_scene(out: Path, model: str, scene: Scene, servers: Servers) -> SceneResult:
+    """Both runs of ``scene``; the stock run played again (``PLAYS`` times in
+    all) while an unthrottled user's load differed between the two."""
     stock = play_side(out, model, scene, servers, limited=False)
     limited = play_side(out, model, scene, servers, limited=True)
+    for _ in range(PLAYS - 1):
+        if (why := unequal_load(scene, stock, limited)) is None:
+            break
+        print(f"   {why.removeprefix('not judged: ')}; playing stock vLLM again")
+        stock = play_side(out, model, scene, servers, limited=False)
     return SceneResult.judge(scene, stock, limited)
 
 
