@@ -41,6 +41,7 @@ class OperatorView:
     # Set by OutputRatePolicy.
     settings: OutputRateSettings
     limiter: Budget
+    prompt_limiter: Budget | None  # prompt tokens computed; None: not limited
     fair: FairShare
     stats: OutputRateStats
     shortcuts: StepLayers
@@ -128,27 +129,34 @@ class OperatorView:
         shares = {
             label: fair.snapshot(label) for label in labels if label != OTHER_USERS
         }
-        return self._with_store(
-            {"labels": labels, "limits": limits, "fair_shares": shares}
-        )
+        snapshot = {"labels": labels, "limits": limits, "fair_shares": shares}
+        if (prompt := self.prompt_limiter) is not None:
+            snapshot["prompt_limits"] = {DEFAULT_LABEL: prompt.default_rate} | {
+                label: prompt.rate_of(label) for label in labels if label != OTHER_USERS
+            }
+        return self._with_store(snapshot)
 
     def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
         """One page of every user on record, with its limit (see
         ``OutputRateStats.users_page``)."""
         now_ns = self.limiter.now_ns()
         users, cursor, total = self.stats.users_page(now_ns, limit, after)
+        prompt = self.prompt_limiter
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
+            if prompt is not None:
+                view["prompt_limit"] = prompt.rate_of(user)
             view.update(self.fair.snapshot(user))
-        return self._with_store(
-            {
-                "time_s": now_ns / 1e9,
-                "default_limit": self.limiter.default_rate,
-                "users": users,
-                "next": cursor,
-                "total": total,
-            }
-        )
+        page = {
+            "time_s": now_ns / 1e9,
+            "default_limit": self.limiter.default_rate,
+            "users": users,
+            "next": cursor,
+            "total": total,
+        }
+        if prompt is not None:
+            page["default_prompt_limit"] = prompt.default_rate
+        return self._with_store(page)
 
     def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         """``snapshot`` plus the shared store's state, when there is one."""
