@@ -9,7 +9,7 @@ The admin API's update body: ``limits_update.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,14 +17,31 @@ from typing import Any
 import yaml
 
 from vllm_output_rate.admission_caps import ADMISSION_KEYS
-from vllm_output_rate.prompt_limits import PROMPT_KEYS, PromptLimits, prompt_limits_from
+from vllm_output_rate.fair_settings import (
+    CAPACITY_FLAG,
+    CAPACITY_KEY,
+    FAIR_KEYS,
+    FLOORS_FLAG,
+    FLOORS_KEY,
+    WEIGHTS_FLAG,
+    WEIGHTS_KEY,
+    check_floors,
+    parse_user_weights,
+)
+from vllm_output_rate.prompt_limits import (
+    NO_RATES,
+    PROMPT_KEYS,
+    PromptLimits,
+    Rates,
+    prompt_limits_from,
+    prompt_rates_in,
+)
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
     parse_user_rates,
     parsed_json,
-    validate_number,
     validate_rate,
     validate_switch,
     validate_user_name,
@@ -38,76 +55,22 @@ FILE_FLAG = "--output-rate-config"
 API_KEYS_FLAG = "--output-rate-api-keys"
 METRICS_USERS_FLAG = "--output-rate-metrics-users"
 METRICS_RECENT_FLAG = "--output-rate-metrics-recent-users"
-WEIGHTS_FLAG = "--user-output-weight"
-FLOORS_FLAG = "--user-min-output-tokens-per-second"
-CAPACITY_FLAG = "--output-rate-engine-capacity"
 DEFAULT_KEY = "default_user_output_tokens_per_second"
 USERS_KEY = "user_output_tokens_per_second"
 FILE_KEY = "config_file"
 METRICS_USERS_KEY = "metrics_users"
 METRICS_RECENT_KEY = "metrics_recent_users"
-WEIGHTS_KEY = "user_output_weight"
-FLOORS_KEY = "user_min_output_tokens_per_second"
-CAPACITY_KEY = "engine_capacity_tokens_per_second"
 # false: run every step on the reference path, without the speed-only
 # shortcuts (scheduling/shortcuts.py); the same decisions, more CPU.
 SHORTCUTS_KEY = "shortcuts"
 # false: vLLM sizes every prefill chunk (scheduling/token_shares.py).
 FAIR_STEP_TOKENS_KEY = "fair_step_tokens"
-# The largest weight: a million times the default keeps virtual service
-# counters well inside a float's precision.
-MAX_WEIGHT = 1e6
-FAIR_KEYS = (WEIGHTS_KEY, FLOORS_KEY, CAPACITY_KEY)
 # How many users with recent traffic get their own metrics label by default
 # (besides the listed ones, __anonymous__ and __other__).
 DEFAULT_METRICS_RECENT_USERS = 100
 MAX_METRICS_RECENT_USERS = 10_000
 # Requests that do not name a user share this budget.
 ANONYMOUS_USER = "__anonymous__"
-
-
-def parse_user_weights(value: object, where: str) -> dict[str, float]:
-    """A JSON object (or its text) of user name to weight, in (0, 1e6]."""
-    value = parsed_json(value, where)
-    if not isinstance(value, Mapping):
-        raise OutputRateConfigError(
-            f"{where}: expected a JSON object of user name to weight, got {value!r}"
-        )
-    weights = {}
-    for user, weight in value.items():
-        name = validate_user_name(user, where)
-        checked = validate_number(weight, f"{where}: weight of user {user!r}")
-        if checked > MAX_WEIGHT:
-            raise OutputRateConfigError(
-                f"{where}: weight of user {user!r} must be at most {MAX_WEIGHT:g}, "
-                f"got {weight!r}"
-            )
-        weights[name] = checked
-    return weights
-
-
-def check_floors(
-    floors: Mapping[str, float],
-    ceiling_of: Callable[[str], float],
-    capacity: float | None,
-    where: str = FLOORS_FLAG,
-) -> None:
-    """Refuse floors that cannot be kept: above the user's own ceiling, or
-    summing to more than the declared engine capacity."""
-    for user, floor in floors.items():
-        ceiling = ceiling_of(user)
-        if floor > ceiling:
-            raise OutputRateConfigError(
-                f"{where}: floor of user {user!r} ({floor:g} tok/s) is above its "
-                f"limit ({ceiling:g} tok/s)"
-            )
-    total = sum(floors.values())
-    if capacity is not None and total > capacity:
-        raise OutputRateConfigError(
-            f"{where}: floors sum to {total:g} tok/s, more than the engine "
-            f"capacity {CAPACITY_FLAG} {capacity:g} tok/s; lower some floors "
-            "or declare a larger capacity"
-        )
 
 
 def parse_metrics_users(value: object, where: str) -> tuple[str, ...]:
@@ -231,7 +194,9 @@ class OutputRateSettings:
             settings,
             shortcuts=switches[SHORTCUTS_KEY],
             fair_step_tokens=switches[FAIR_STEP_TOKENS_KEY],
-            prompt_limits=prompt_limits_from(section, where),
+            prompt_limits=prompt_limits_from(
+                section, where, file_prompt_rates(settings.config_file)
+            ),
         ).with_metrics_labels(
             section.get(METRICS_USERS_KEY),
             section.get(METRICS_RECENT_KEY),
@@ -273,7 +238,15 @@ def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
         content = {}
     return check_object(
         content,
-        (DEFAULT_KEY, USERS_KEY, WEIGHTS_KEY, FLOORS_KEY, *STORE_KEYS, *ADMISSION_KEYS),
+        (
+            DEFAULT_KEY,
+            USERS_KEY,
+            WEIGHTS_KEY,
+            FLOORS_KEY,
+            *PROMPT_KEYS,
+            *STORE_KEYS,
+            *ADMISSION_KEYS,
+        ),
         where,
     )
 
@@ -286,6 +259,12 @@ def load_fair_shares(path: str | Path) -> tuple[dict[str, float], dict[str, floa
         parse_user_weights(content.get(WEIGHTS_KEY) or {}, f"{where}: {WEIGHTS_KEY}"),
         parse_user_rates(content.get(FLOORS_KEY) or {}, f"{where}: {FLOORS_KEY}"),
     )
+
+
+def load_prompt_rates(path: str | Path) -> tuple[float | None, dict[str, float]]:
+    """The prompt-token rates of a limits file: its default (None when
+    absent) and its users' (reloaded with its limits)."""
+    return prompt_rates_in(_read_limits_file(path), f"{FILE_FLAG} {path}")
 
 
 def load_store_settings(path: str | Path) -> StoreSettings | None:
@@ -313,6 +292,11 @@ def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
         None if default is None else validate_rate(default, f"{where}: {DEFAULT_KEY}"),
         parse_user_rates(content.get(USERS_KEY) or {}, f"{where}: {USERS_KEY}"),
     )
+
+
+def file_prompt_rates(config_file: str | None) -> Rates:
+    """A limits file's prompt rates (none without a file)."""
+    return load_prompt_rates(config_file) if config_file else NO_RATES
 
 
 def merge_settings(
@@ -353,6 +337,10 @@ def merge_settings(
     elif weights or floors or capacity is not None:
         raise OutputRateConfigError(
             f"{WEIGHTS_FLAG}, {FLOORS_FLAG} and {CAPACITY_FLAG} need {DEFAULT_FLAG}"
+        )
+    elif config_file and any(load_prompt_rates(config_file)):
+        raise OutputRateConfigError(
+            f"{FILE_FLAG} {config_file}: prompt-token rates need {DEFAULT_FLAG}"
         )
     else:
         return None

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from vllm_output_rate.config import (
     DEFAULT_KEY,
-    FLOORS_KEY,
     USERS_KEY,
+)
+from vllm_output_rate.fair_settings import (
+    FLOORS_KEY,
     WEIGHTS_KEY,
     parse_user_weights,
 )

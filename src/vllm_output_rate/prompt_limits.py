@@ -50,21 +50,57 @@ class PromptLimits:
         }
 
 
-def prompt_limits_from(section: Mapping[str, Any], where: str) -> PromptLimits | None:
-    """The prompt limits in an ``output_rate`` section (or a limits file);
-    None without a default prompt rate. ``where`` names the source in
-    errors."""
+def prompt_rates_in(
+    section: Mapping[str, Any], where: str
+) -> tuple[float | None, dict[str, float]]:
+    """The prompt rates ``section`` (an ``output_rate`` section or a limits
+    file) states, checked: its default (None when absent) and its users'."""
     default = section.get(DEFAULT_PROMPT_KEY)
-    users = section.get(PROMPT_USERS_KEY)
+    return (
+        None
+        if default is None
+        else validate_rate(default, f"{where}[{DEFAULT_PROMPT_KEY!r}]"),
+        parse_user_rates(
+            section.get(PROMPT_USERS_KEY) or {}, f"{where}[{PROMPT_USERS_KEY!r}]"
+        ),
+    )
+
+
+# A source's prompt rates: its default (None when it gives none) and users'.
+Rates = tuple[float | None, Mapping[str, float]]
+NO_RATES: Rates = (None, {})
+
+
+def rates_of(limits: PromptLimits | None) -> Rates:
+    return NO_RATES if limits is None else (limits.default_rate, limits.user_rates)
+
+
+def combine(*layers: Rates, no_default: str) -> PromptLimits | None:
+    """The prompt limits of ``layers``, later ones winning (a default over a
+    default, a user's rate over the same user's); None when none gives a
+    default, and users without one raise ``no_default``."""
+    default: float | None = None
+    users: dict[str, float] = {}
+    for layer_default, layer_users in layers:
+        default = default if layer_default is None else layer_default
+        users.update(layer_users)
     if default is None:
         if users:
-            raise OutputRateConfigError(
-                f"{where}[{PROMPT_USERS_KEY!r}] was given without "
-                f"{DEFAULT_PROMPT_KEY!r}: per-user prompt rates need a default "
-                "for everyone else"
-            )
+            raise OutputRateConfigError(no_default)
         return None
-    return PromptLimits(
-        validate_rate(default, f"{where}[{DEFAULT_PROMPT_KEY!r}]"),
-        parse_user_rates(users or {}, f"{where}[{PROMPT_USERS_KEY!r}]"),
+    return PromptLimits(default, users)
+
+
+def prompt_limits_from(
+    section: Mapping[str, Any], where: str, file: Rates = NO_RATES
+) -> PromptLimits | None:
+    """The prompt limits in an ``output_rate`` section over a limits file's
+    rates (``file``); None without a default prompt rate in either.
+    ``where`` names the section in errors."""
+    return combine(
+        file,
+        prompt_rates_in(section, where),
+        no_default=f"{where}[{PROMPT_USERS_KEY!r}] (or the limits file's) was "
+        f"given without {DEFAULT_PROMPT_KEY!r}: per-user prompt rates need a "
+        "default for everyone else",
     )

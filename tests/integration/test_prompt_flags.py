@@ -120,3 +120,39 @@ def test_the_settings_round_trip_through_additional_config() -> None:
         {"output_rate": settings.to_additional_config()}
     )
     assert again is not None and again.prompt_limits == settings.prompt_limits
+
+
+def test_a_limits_file_gives_prompt_rates_and_flags_win(
+    parser, tiny_model_path: str, tmp_path
+) -> None:
+    limits = tmp_path / "limits.yaml"
+    limits.write_text(
+        "default_user_output_tokens_per_second: 100\n"
+        "default_user_prompt_tokens_per_second: 3000\n"
+        "user_prompt_tokens_per_second: {hog: 500, batch: 800}\n"
+    )
+    file = ("--output-rate-config", str(limits))
+    assert prompt_limits(parser, tiny_model_path, *file) == PromptLimits(
+        3000.0, {"hog": 500.0, "batch": 800.0}
+    )
+    assert prompt_limits(
+        parser, tiny_model_path, *file, PROMPT, "900", PROMPT_USERS, '{"hog": 50}'
+    ) == PromptLimits(900.0, {"hog": 50.0, "batch": 800.0})
+    # The file's users over a default given by the flag alone.
+    limits.write_text(
+        "default_user_output_tokens_per_second: 100\n"
+        "user_prompt_tokens_per_second: {hog: 500}\n"
+    )
+    with pytest.raises(OutputRateConfigError, match="need a default"):
+        prompt_limits(parser, tiny_model_path, *file)
+    assert prompt_limits(parser, tiny_model_path, *file, PROMPT, "900") == PromptLimits(
+        900.0, {"hog": 500.0}
+    )
+
+
+def test_a_limits_file_with_prompt_rates_needs_output_limiting(tmp_path) -> None:
+    limits = tmp_path / "limits.yaml"
+    limits.write_text("default_user_prompt_tokens_per_second: 3000\n")
+    config = {"output_rate": {"config_file": str(limits)}}
+    with pytest.raises(OutputRateConfigError, match="prompt-token rates need"):
+        OutputRateSettings.from_additional_config(config)

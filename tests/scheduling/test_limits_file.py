@@ -80,3 +80,42 @@ def test_weights_and_floors_reload_with_the_limits(tmp_path) -> None:
     assert "more than the engine capacity" in errors[-1]
     assert fair.floors == {"a": 50.0} and fair.weights["a"] == 4.0
     assert limiter.default_rate == 100
+
+
+def test_prompt_rates_reload_with_the_limits(tmp_path) -> None:
+    limits = tmp_path / "limits.yaml"
+    write(limits, "default_user_output_tokens_per_second: 100\n"
+          "default_user_prompt_tokens_per_second: 1000\n"
+          "user_prompt_tokens_per_second: {hog: 200, b: 300}\n", 1_000)  # fmt: skip
+    errors: list[str] = []
+    clock = Clock()
+    limiter = OutputRateLimiter(100)
+    prompt = OutputRateLimiter(1000, {"hog": 200, "b": 300, "flag-user": 50})
+    watcher = LimitsFileWatcher(str(limits), errors.append, clock=clock)
+
+    write(limits, "default_user_output_tokens_per_second: 100\n"
+          "default_user_prompt_tokens_per_second: 2000\n"
+          "user_prompt_tokens_per_second: {hog: 100}\n", 2_000)  # fmt: skip
+    clock.now = 1.5
+    assert watcher.poll(limiter, None, prompt) and not errors
+    assert prompt.default_rate == 2000
+    # b left the file: the default; a user of the flags stays as it was.
+    assert prompt.user_rates == {"hog": 100, "flag-user": 50}
+    assert limiter.user_rates == {}  # output limits untouched by prompt rates
+
+
+def test_prompt_rates_while_prompt_limiting_is_off_change_nothing(tmp_path) -> None:
+    limits = tmp_path / "limits.yaml"
+    write(limits, "default_user_output_tokens_per_second: 10\n", 1_000)
+    errors: list[str] = []
+    clock = Clock()
+    limiter = OutputRateLimiter(10)
+    watcher = LimitsFileWatcher(str(limits), errors.append, clock=clock)
+
+    write(limits, "default_user_output_tokens_per_second: 20\n"
+          "user_prompt_tokens_per_second: {hog: 100}\n", 2_000)  # fmt: skip
+    clock.now = 1.5
+    assert not watcher.poll(limiter)  # all or nothing
+    assert limiter.default_rate == 10
+    (error,) = errors
+    assert "prompt limiting is off" in error and "start-up" in error

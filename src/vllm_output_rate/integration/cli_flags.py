@@ -10,22 +10,24 @@ from typing import Any, TypeVar
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     API_KEYS_FLAG,
-    CAPACITY_FLAG,
     DEFAULT_FLAG,
     DEFAULT_KEY,
     DEFAULT_METRICS_RECENT_USERS,
     FILE_FLAG,
-    FLOORS_FLAG,
     METRICS_RECENT_FLAG,
     METRICS_USERS_FLAG,
     USERS_FLAG,
-    WEIGHTS_FLAG,
     OutputRateSettings,
     load_store_settings,
     merge_settings,
     parse_metrics_users,
-    parse_user_weights,
     validate_recent_users,
+)
+from vllm_output_rate.fair_settings import (
+    CAPACITY_FLAG,
+    FLOORS_FLAG,
+    WEIGHTS_FLAG,
+    parse_user_weights,
 )
 from vllm_output_rate.store.settings import (
     FALLBACK_FLAG,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from vllm_output_rate.config import DEFAULT_FLAG, OutputRateSettings
+from vllm_output_rate.config import DEFAULT_FLAG, OutputRateSettings, file_prompt_rates
 from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
 from vllm_output_rate.prompt_limits import (
     DEFAULT_PROMPT_FLAG,
     PROMPT_USERS_FLAG,
-    PromptLimits,
+    combine,
+    rates_of,
 )
 from vllm_output_rate.validation import (
     OutputRateConfigError,
@@ -58,12 +59,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def with_prompt_flags(
     args: argparse.Namespace, settings: OutputRateSettings | None
 ) -> OutputRateSettings | None:
-    """``settings`` with the prompt-rate flags over their own prompt limits
-    (from ``--additional-config``); refused without output limiting."""
+    """``settings`` with their prompt limits: a limits file's, under those of
+    ``--additional-config``, under the prompt-rate flags; the flags are
+    refused without output limiting."""
     default = getattr(args, "default_user_prompt_tokens_per_second", None)
     users = getattr(args, "user_prompt_tokens_per_second", None)
-    if default is None and users is None:
-        return settings
+    if settings is None and default is None and users is None:
+        return None
     if settings is None:
         # Output limits given in --additional-config only.
         settings = OutputRateSettings.from_additional_config(
@@ -73,13 +75,12 @@ def with_prompt_flags(
         raise OutputRateConfigError(
             f"{DEFAULT_PROMPT_FLAG} and {PROMPT_USERS_FLAG} need {DEFAULT_FLAG}"
         )
-    base = settings.prompt_limits
-    if default is None:
-        if base is None:
-            raise OutputRateConfigError(
-                f"{PROMPT_USERS_FLAG} was given without {DEFAULT_PROMPT_FLAG}: "
-                "per-user prompt rates need a default for everyone else"
-            )
-        default = base.default_rate
-    users = {**(base.user_rates if base else {}), **(users or {})}
-    return replace(settings, prompt_limits=PromptLimits(default, users))
+    limits = combine(
+        file_prompt_rates(settings.config_file),
+        rates_of(settings.prompt_limits),
+        (default, users or {}),
+        no_default=f"{PROMPT_USERS_FLAG} (or the limits file's) was given without "
+        f"{DEFAULT_PROMPT_FLAG}: per-user prompt rates need a default for "
+        "everyone else",
+    )
+    return replace(settings, prompt_limits=limits)

@@ -2,9 +2,11 @@
 
 The scheduler asks at most once a second whether the file's modification
 time changed; on a change it applies the file's default and user limits,
-weights and floors, and users that left the file fall back to the default
-(limit, weight 1, no floor). A file that fails to
-parse is logged and ignored: the limits in force stay as they were.
+weights and floors, and prompt-token rates, and users that left the file
+fall back to the default (limit, weight 1, no floor, the default prompt
+rate). All or nothing: a file that fails to parse, or that states prompt
+rates while prompt limiting is off (it is turned on at start-up only), is
+logged and ignored, and the limits in force stay as they were.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ import time
 from collections.abc import Callable
 
 from vllm_output_rate.budget import Budget
-from vllm_output_rate.config import check_floors, load_fair_shares, load_limits_file
+from vllm_output_rate.config import (
+    load_fair_shares,
+    load_limits_file,
+    load_prompt_rates,
+)
+from vllm_output_rate.fair_settings import check_floors
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.validation import OutputRateConfigError
 
@@ -37,10 +44,12 @@ class LimitsFileWatcher:
         self._mtime = self._read_mtime()
         _, users = self._load() or (None, {})
         self._file_users = set(users)
+        self._file_prompt_users: set[str] = set()
         self._fair_users: set[str] = set()
         try:
             weights, floors = load_fair_shares(path)
             self._fair_users = set(weights) | set(floors)
+            self._file_prompt_users = set(load_prompt_rates(path)[1])
         except OutputRateConfigError:
             pass  # reported by _load
 
@@ -57,9 +66,15 @@ class LimitsFileWatcher:
             self._on_error(f"limits file not reloaded: {exc}")
             return None
 
-    def poll(self, limiter: Budget, fair: FairShare | None = None) -> bool:
+    def poll(
+        self,
+        limiter: Budget,
+        fair: FairShare | None = None,
+        prompt_limiter: Budget | None = None,
+    ) -> bool:
         """Apply the file if it changed since the last look; True if applied.
-        ``fair`` gets the file's weights and floors (all or nothing)."""
+        ``fair`` gets the file's weights and floors, ``prompt_limiter`` (None:
+        prompt limiting off) its prompt rates; all or nothing."""
         now = self._clock()
         if now < self._next_check:
             return False
@@ -74,6 +89,12 @@ class LimitsFileWatcher:
         default, users = loaded
         try:
             weights, floors = load_fair_shares(self._path)
+            prompt_default, prompt_users = load_prompt_rates(self._path)
+            if prompt_limiter is None and (prompt_default is not None or prompt_users):
+                raise OutputRateConfigError(
+                    "it states prompt-token rates, and prompt limiting is off (it "
+                    "is turned on at start-up, with a default prompt rate)"
+                )
             gone = self._fair_users - set(weights) - set(floors)
             if fair is not None:
                 ceiling = default if default is not None else limiter.default_rate
@@ -97,6 +118,13 @@ class LimitsFileWatcher:
             self._on_error(f"limits file not reloaded: {exc}")
             return False
         self._file_users = set(users)
+        if prompt_limiter is not None:
+            prompt_limiter.update_rates(
+                default_rate=prompt_default,
+                user_rates=prompt_users,
+                remove_users=self._file_prompt_users - set(prompt_users),
+            )
+            self._file_prompt_users = set(prompt_users)
         if fair is not None:
             fair.update(weights, floors, remove_users=gone)
         self._fair_users = set(weights) | set(floors)

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import (
     DEFAULT_KEY,
-    FLOORS_KEY,
     USERS_KEY,
-    WEIGHTS_KEY,
     OutputRateSettings,
+)
+from vllm_output_rate.fair_settings import (
+    FLOORS_KEY,
+    WEIGHTS_KEY,
     check_floors,
 )
 from vllm_output_rate.limits_update import parse_limits_update

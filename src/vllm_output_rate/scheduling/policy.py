@@ -185,7 +185,9 @@ class OutputRatePolicy(OperatorView):
         self.finish_step()
         host = self.host
         self.steps += 1
-        if self._limits_file and self._limits_file.poll(self.limiter, self.fair):
+        if self._limits_file and self._limits_file.poll(
+            self.limiter, self.fair, self.prompt_limiter
+        ):
             self.shortcuts.forget()
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
         self.accounting.give_back(self.limiter, self._logger)
