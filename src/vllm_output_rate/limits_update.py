@@ -14,6 +14,12 @@ from vllm_output_rate.fair_settings import (
     WEIGHTS_KEY,
     parse_user_weights,
 )
+from vllm_output_rate.prompt_limits import (
+    DEFAULT_PROMPT_FLAG,
+    DEFAULT_PROMPT_KEY,
+    PROMPT_USERS_KEY,
+    prompt_rates_in,
+)
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
@@ -23,6 +29,10 @@ from vllm_output_rate.validation import (
 )
 
 REMOVE_KEY = "remove_users"
+PROMPT_OFF = (
+    "prompt-token rates cannot be changed: prompt limiting is off on this "
+    f"server (it is turned on at start-up, with {DEFAULT_PROMPT_FLAG})"
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,12 @@ class LimitsUpdate:
     remove_users: tuple[str, ...] = ()
     user_weights: Mapping[str, float] = field(default_factory=dict)
     user_floors: Mapping[str, float] = field(default_factory=dict)
+    prompt_default: float | None = None
+    prompt_users: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def changes_prompt_rates(self) -> bool:
+        return self.prompt_default is not None or bool(self.prompt_users)
 
 
 def parse_limits_update(payload: object) -> LimitsUpdate:
@@ -42,14 +58,25 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
     Body: ``{"default_user_output_tokens_per_second": 80,
     "user_output_tokens_per_second": {"user-a": 10}, "remove_users": ["b"],
     "user_output_weight": {"user-a": 2},
-    "user_min_output_tokens_per_second": {"user-a": 5}}``, every key
-    optional (``remove_users`` drops a user's limit, weight and floor).
+    "user_min_output_tokens_per_second": {"user-a": 5},
+    "default_user_prompt_tokens_per_second": 3000,
+    "user_prompt_tokens_per_second": {"user-a": 500}}``, every key optional
+    (``remove_users`` drops a user's limit, weight, floor and prompt rate).
     """
     payload = check_object(
         payload,
-        (DEFAULT_KEY, USERS_KEY, REMOVE_KEY, WEIGHTS_KEY, FLOORS_KEY),
+        (
+            DEFAULT_KEY,
+            USERS_KEY,
+            REMOVE_KEY,
+            WEIGHTS_KEY,
+            FLOORS_KEY,
+            DEFAULT_PROMPT_KEY,
+            PROMPT_USERS_KEY,
+        ),
         "request body",
     )
+    prompt_default, prompt_users = prompt_rates_in(payload, "request body")
     default = payload.get(DEFAULT_KEY)
     remove = payload.get(REMOVE_KEY, [])
     if not isinstance(remove, list):
@@ -60,4 +87,6 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
         remove_users=tuple(validate_user_name(u, REMOVE_KEY) for u in remove),
         user_weights=parse_user_weights(payload.get(WEIGHTS_KEY, {}), WEIGHTS_KEY),
         user_floors=parse_user_rates(payload.get(FLOORS_KEY, {}), FLOORS_KEY),
+        prompt_default=prompt_default,
+        prompt_users=prompt_users,
     )

@@ -156,3 +156,34 @@ def test_a_limits_file_with_prompt_rates_needs_output_limiting(tmp_path) -> None
     config = {"output_rate": {"config_file": str(limits)}}
     with pytest.raises(OutputRateConfigError, match="prompt-token rates need"):
         OutputRateSettings.from_additional_config(config)
+
+
+def test_the_api_server_refuses_prompt_rate_changes_while_off(monkeypatch) -> None:
+    # The admin API's PUT is checked in the API server before the engine:
+    # prompt rates are refused (HTTP 400) unless prompt limiting is on.
+    from vllm_output_rate.integration import engine_setup
+    from vllm_output_rate.integration.admission_setup import check_limits_update
+    from vllm_output_rate.limits_update import PROMPT_OFF
+
+    body = {"user_prompt_tokens_per_second": {"hog": 100}}
+    monkeypatch.setattr(engine_setup, "prompt_limiting_enabled", False)
+    with pytest.raises(OutputRateConfigError) as refused:
+        check_limits_update(body, plugin=None)
+    assert str(refused.value) == PROMPT_OFF
+    check_limits_update({"user_output_tokens_per_second": {"hog": 5}}, plugin=None)
+    monkeypatch.setattr(engine_setup, "prompt_limiting_enabled", True)
+    check_limits_update(body, plugin=None)
+    with pytest.raises(OutputRateConfigError, match="got -1"):
+        check_limits_update({"user_prompt_tokens_per_second": {"a": -1}}, None)
+
+
+def test_start_up_tells_the_api_server_whether_prompt_limiting_is_on(
+    parser, tiny_model_path: str, monkeypatch
+) -> None:
+    from vllm_output_rate.integration import engine_setup
+
+    monkeypatch.setattr(engine_setup, "prompt_limiting_enabled", True)  # restored
+
+    for argv, on in (((FLAG, "10"), False), ((FLAG, "10", PROMPT, "900"), True)):
+        parse_engine_args(parser, tiny_model_path, *argv)
+        assert engine_setup.prompt_limiting_enabled is on

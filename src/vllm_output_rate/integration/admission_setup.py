@@ -20,10 +20,11 @@ from vllm_output_rate.admission_caps import (
     caps_from_document,
     without_admission_keys,
 )
-from vllm_output_rate.integration import admission
+from vllm_output_rate.integration import admission, engine_setup
 from vllm_output_rate.integration.admission_context import note_checked_request
 from vllm_output_rate.integration.admission_view import EngineViews, engine_call
-from vllm_output_rate.limits_update import parse_limits_update
+from vllm_output_rate.limits_update import PROMPT_OFF, parse_limits_update
+from vllm_output_rate.validation import OutputRateConfigError
 
 _hooked = False
 
@@ -85,7 +86,9 @@ def check_limits_update(payload: object, plugin: Any) -> None:
     if not isinstance(payload, dict):
         parse_limits_update(payload)  # raises, naming the body
         return
-    parse_limits_update(without_admission_keys(payload))
+    update = parse_limits_update(without_admission_keys(payload))
+    if update.changes_prompt_rates and not engine_setup.prompt_limiting_enabled:
+        raise OutputRateConfigError(PROMPT_OFF)
     checker: admission.Admission | None = getattr(plugin, "admission", None)
     global_caps = checker.global_caps if checker is not None else GlobalCaps()
     caps_from_document(admission_part(payload), global_caps, "request body")

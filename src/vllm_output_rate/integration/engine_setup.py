@@ -33,6 +33,7 @@ CPU_ASYNC_ENV = "VLLM_OUTPUT_RATE_CPU_ASYNC_SCHEDULING"
 # Set in the process that built a rate-limited config (the API server), so
 # request validation there knows that limiting is on.
 limiting_enabled = False
+prompt_limiting_enabled = False  # the same, for prompt-token rates
 logger = logging.getLogger("vllm.output_rate")
 
 
@@ -48,7 +49,7 @@ def apply_output_rate(vllm_config: VllmConfig) -> OutputRateSettings | None:
     Raises OutputRateConfigError for settings or engine options that cannot
     be combined with per-user limits.
     """
-    global limiting_enabled
+    global limiting_enabled, prompt_limiting_enabled
     settings = OutputRateSettings.from_additional_config(vllm_config.additional_config)
     if settings is None:
         return None
@@ -72,6 +73,7 @@ def apply_output_rate(vllm_config: VllmConfig) -> OutputRateSettings | None:
         ASYNC_SCHEDULER if scheduler_config.async_scheduling else SYNC_SCHEDULER
     )
     limiting_enabled = True
+    prompt_limiting_enabled = settings.prompt_limits is not None
     return settings
 
 

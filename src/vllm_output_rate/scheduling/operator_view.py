@@ -27,10 +27,12 @@ from vllm_output_rate.fair_settings import (
     WEIGHTS_KEY,
     check_floors,
 )
-from vllm_output_rate.limits_update import parse_limits_update
+from vllm_output_rate.limits_update import PROMPT_OFF, parse_limits_update
+from vllm_output_rate.prompt_limits import DEFAULT_PROMPT_KEY, PROMPT_USERS_KEY
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
 from vllm_output_rate.scheduling.stats import OutputRateStats
+from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
     from vllm_output_rate.scheduling.shortcuts import StepLayers
@@ -67,19 +69,32 @@ class OperatorView:
         page's names and the number of such users. A page is a valid body
         for a change."""
         self.limiter.apply_pending()  # an idle engine takes no steps
-        limiter, fair = self.limiter, self.fair
+        limiter, fair, prompt = self.limiter, self.fair, self.prompt_limiter
         rates, weights, floors = limiter.user_rates, fair.weights, fair.floors
-        names = sorted(rates.keys() | weights.keys() | floors.keys() | set(extra_users))
+        prompt_rates = prompt.user_rates if prompt is not None else {}
+        names = sorted(
+            rates.keys()
+            | weights.keys()
+            | floors.keys()
+            | prompt_rates.keys()
+            | set(extra_users)
+        )
         start = 0 if after is None else bisect.bisect_right(names, after)
         end = len(names) if limit is None else start + limit
         page = names[start:end]
+        document = {
+            DEFAULT_KEY: limiter.default_rate,
+            USERS_KEY: {u: rates[u] for u in page if u in rates},
+            WEIGHTS_KEY: {u: weights[u] for u in page if u in weights},
+            FLOORS_KEY: {u: floors[u] for u in page if u in floors},
+        }
+        if prompt is not None:
+            document[DEFAULT_PROMPT_KEY] = prompt.default_rate
+            document[PROMPT_USERS_KEY] = {
+                u: prompt_rates[u] for u in page if u in prompt_rates
+            }
         return {
-            "limits": {
-                DEFAULT_KEY: limiter.default_rate,
-                USERS_KEY: {u: rates[u] for u in page if u in rates},
-                WEIGHTS_KEY: {u: weights[u] for u in page if u in weights},
-                FLOORS_KEY: {u: floors[u] for u in page if u in floors},
-            },
+            "limits": document,
             "next": page[-1] if page and end < len(names) else None,
             "names": page,
             "total": len(names),
@@ -88,7 +103,9 @@ class OperatorView:
     def update_limits(self, payload: object) -> None:
         """Apply an admin change from the next step on; all or nothing."""
         update = parse_limits_update(payload)
-        limiter, fair = self.limiter, self.fair
+        limiter, fair, prompt = self.limiter, self.fair, self.prompt_limiter
+        if update.changes_prompt_rates and prompt is None:
+            raise OutputRateConfigError(PROMPT_OFF)
         removed = set(update.remove_users)
         floors = {u: f for u, f in fair.floors.items() if u not in removed}
         floors.update(update.user_floors)
@@ -108,6 +125,12 @@ class OperatorView:
             user_rates=update.user_rates,
             remove_users=update.remove_users,
         )
+        if prompt is not None:
+            prompt.update_rates(
+                default_rate=update.prompt_default,
+                user_rates=update.prompt_users,
+                remove_users=update.remove_users,
+            )
         fair.update(update.user_weights, update.user_floors, update.remove_users)
         self.shortcuts.forget()
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
@@ -117,7 +140,15 @@ class OperatorView:
         (a million users would make a 25 MB line)."""
         rates = self.limiter.user_rates
         users = rates if len(rates) <= 10 else f"{len(rates):,} users"
-        return f"default {self.limiter.default_rate:g} tok/s, per user {users}"
+        summary = f"default {self.limiter.default_rate:g} tok/s, per user {users}"
+        if (prompt := self.prompt_limiter) is not None:
+            rates = prompt.user_rates
+            users = rates if len(rates) <= 10 else f"{len(rates):,} users"
+            summary += (
+                f"; prompt tokens: default {prompt.default_rate:g} tok/s, "
+                f"per user {users}"
+            )
+        return summary
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Per-label counters and each label's limit (bounded in size)."""
