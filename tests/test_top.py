@@ -64,6 +64,42 @@ def test_admission_refusals_over_the_window() -> None:
     assert "refused" in text and max(map(len, text.splitlines())) <= 120
 
 
+def test_prompt_rates_and_limits_when_the_server_limits_prompts() -> None:
+    window = Window(seconds=5.0)
+    prompt = {"prompt_limit": 1_000.0}
+    window.add(Sample(1.0, {"a": user(10, prompt_tokens=400, **prompt)}, 2_000.0))
+    window.add(
+        Sample(
+            3.0,
+            {
+                "a": user(20, prompt_tokens=1_400, **prompt),
+                "b": user(5, prompt_tokens=300, prompt_limit=2_000.0),
+            },
+            2_000.0,
+        )
+    )
+    found = {r.user: (r.prompt_rate, r.prompt_limit) for r in window.rows()}
+    assert found == {"a": (500.0, 1_000.0), "b": (150.0, 2_000.0)}
+    for width, totals in ((120, True), (100, False)):
+        console = Console(width=width, height=10, force_terminal=True, record=True)
+        console.print(render(window.rows(), title="top", width=width))
+        text = console.export_text()
+        assert "prompt/s" in text and "p. limit" in text
+        assert "650" in text and "2,000" in text  # the total; b's limit
+        # The counts since the records began give way on a narrower terminal.
+        assert ("tokens" in text) is totals
+        assert max(map(len, text.splitlines())) <= width
+    # A server without prompt limits: no prompt columns, as before.
+    plain = Window(seconds=5.0)
+    plain.add(Sample(1.0, {"a": user(10)}))
+    plain.add(Sample(2.0, {"a": user(20)}))
+    assert plain.rows()[0].prompt_rate is None
+    console = Console(width=120, height=10, force_terminal=True, record=True)
+    console.print(render(plain.rows(), title="top"))
+    text = console.export_text()
+    assert "prompt" not in text and "tokens" in text
+
+
 def rows(count: int) -> list[UserRow]:
     return [
         UserRow(f"user-{i:02d}", 20.0, 19.5, i % 2, 1000 + i, 0, 0.25, 0.0)
@@ -107,8 +143,10 @@ class Canned(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         query = parse_qs(url.query)
         mode = self.server.mode  # type: ignore[attr-defined]
-        if mode == "paged" and url.path == "/v1/output_rate/stats":
-            page = self.pages[query.get("after", [None])[0]]
+        if mode in ("paged", "prompts") and url.path == "/v1/output_rate/stats":
+            page = dict(self.pages[query.get("after", [None])[0]])
+            if mode == "prompts":  # the server limits prompt tokens
+                page["default_prompt_limit"] = 500
             self._send(200, json.dumps(page).encode())
         elif mode == "html":
             self._send(200, b"<html>hello</html>", "text/html")
@@ -140,7 +178,11 @@ def test_every_page_is_read(canned) -> None:
     url, server = canned
     server.mode = "paged"
     with httpx.Client() as client:
-        assert set(fetch(client, url, "key").users) == {"a", "b"}
+        sample = fetch(client, url, "key")
+        assert set(sample.users) == {"a", "b"}
+        assert sample.default_prompt_limit is None
+        server.mode = "prompts"
+        assert fetch(client, url, "key").default_prompt_limit == 500.0
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,9 @@ time to first token of the requests that got one in the window (engine
 side: arrival in the scheduler to the step that samples it), and how many
 of its requests the API server refused at admission in the window (HTTP 429
 over its own caps, 503 over vLLM's; counted by the API server that answers
-the stats route).
+the stats route). When the server limits prompt tokens, each user's prompt
+tokens computed per second over the window and its prompt limit follow. The
+columns are ``top_columns.py``'s.
 
 On a terminal it redraws in place on the alternate screen (like ``top``; fine
 over SSH), fitting the table to the terminal's height; otherwise (a pipe)
@@ -26,16 +28,18 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from rich import box
-from rich.console import Console, Group, JustifyMethod
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from vllm_output_rate.top_columns import UserRow, columns
 
 STATS_PATH = "/v1/output_rate/stats"
 ADMIN_KEY_ENV = "VLLM_OUTPUT_RATE_ADMIN_KEY"
@@ -56,19 +60,8 @@ class Sample:
 
     time_s: float
     users: dict[str, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class UserRow:
-    user: str
-    limit: float
-    rate: float | None  # tok/s over the window; None before two readings
-    throttled: int
-    tokens: int
-    refunds: int
-    ttft_s: float | None  # mean over the window's first tokens
-    idle_s: float
-    refused: int = 0  # requests refused at admission in the window
+    # The server's default prompt limit; None: prompts are not limited.
+    default_prompt_limit: float | None = None
 
 
 def fetch(client: httpx.Client, base_url: str, admin_key: str) -> Sample:
@@ -76,6 +69,7 @@ def fetch(client: httpx.Client, base_url: str, admin_key: str) -> Sample:
     users: dict[str, dict[str, Any]] = {}
     params: dict[str, str | int] = {"limit": PAGE_SIZE}
     time_s = math.nan
+    prompt_limit: float | None = None
     for _ in range(10_000):  # a bound; at most 10^8 users
         try:
             response = client.get(
@@ -88,9 +82,11 @@ def fetch(client: httpx.Client, base_url: str, admin_key: str) -> Sample:
         page = _page(response, base_url)
         if math.isnan(time_s):
             time_s = float(page["time_s"])
+            if page.get("default_prompt_limit") is not None:
+                prompt_limit = float(page["default_prompt_limit"])
         users.update(page["users"])
         if page["next"] is None:
-            return Sample(time_s, users)
+            return Sample(time_s, users, prompt_limit)
         params = {"limit": PAGE_SIZE, "after": page["next"]}
     raise TopError(f"{base_url}: the stats pages do not end")
 
@@ -152,16 +148,10 @@ class Window:
             return []
         newest, oldest = self.samples[-1], self.samples[0]
         span = newest.time_s - oldest.time_s
+        prompts = newest.default_prompt_limit is not None
         rows = []
         for user, now in newest.users.items():
             then = oldest.users.get(user, {})
-            tokens = int(now["tokens_admitted"])
-            rate = None
-            if span > 0:
-                earlier = int(then.get("tokens_admitted", 0))
-                # A smaller count: the record was dropped and started again.
-                delivered = tokens - earlier if tokens >= earlier else tokens
-                rate = delivered / span
             firsts = int(now["first_tokens"]) - int(then.get("first_tokens", 0))
             waited = float(now["first_token_sum_s"]) - float(
                 then.get("first_token_sum_s", 0.0)
@@ -170,16 +160,32 @@ class Window:
                 UserRow(
                     user=user,
                     limit=float(now["limit"]),
-                    rate=rate,
+                    rate=_rate(now, then, "tokens_admitted", span),
                     throttled=int(now["resident_throttled"]),
-                    tokens=tokens,
+                    tokens=int(now["tokens_admitted"]),
                     refunds=int(now["refunds"]),
                     ttft_s=waited / firsts if firsts > 0 else None,
                     idle_s=float(now["idle_s"]),
                     refused=max(0, _refusals(now) - _refusals(then)),
+                    prompt_rate=(
+                        _rate(now, then, "prompt_tokens", span) if prompts else None
+                    ),
+                    prompt_limit=float(now["prompt_limit"]) if prompts else None,
                 )
             )
         return rows
+
+
+def _rate(
+    now: dict[str, Any], then: dict[str, Any], key: str, span: float
+) -> float | None:
+    """Tokens per second of the count ``key`` between two readings of a user
+    ``span`` seconds apart (None: no span yet)."""
+    if span <= 0:
+        return None
+    count, earlier = int(now[key]), int(then.get(key, 0))
+    # A smaller count: the record was dropped and started again.
+    return (count - earlier if count >= earlier else count) / span
 
 
 def _refusals(record: dict[str, Any]) -> int:
@@ -199,18 +205,6 @@ def sort_rows(rows: list[UserRow], key: str) -> list[UserRow]:
     return sorted(rows, key=lambda r: (-(r.rate or 0.0), r.idle_s, r.user))
 
 
-def _number(value: float | None, digits: int = 1) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
-
-
-def _share(row: UserRow) -> str:
-    return _number(None if row.rate is None else 100 * row.rate / row.limit, 0)
-
-
-def _ttft_ms(row: UserRow) -> str:
-    return _number(None if row.ttft_s is None else 1000 * row.ttft_s, 0)
-
-
 def render(
     rows: list[UserRow],
     *,
@@ -219,55 +213,17 @@ def render(
     footer: str = "",
     width: int = 120,
 ) -> Group:
-    """The table, cut to ``max_rows`` users (the rest counted in the footer);
-    below 80 columns of ``width`` only the main columns are shown."""
+    """The table, cut to ``max_rows`` users (the rest counted in the footer),
+    its columns as wide as ``width`` allows (``top_columns.columns``)."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_footer=True)
-    total_rate = sum(r.rate or 0.0 for r in rows)
     shown = rows if max_rows is None else rows[: max(0, max_rows)]
-    wide = width >= 80
-    # (title, footer, justify, shown when narrow, the cell of a row)
-    columns: list[tuple[str, str, JustifyMethod, bool, Callable[[UserRow], str]]] = [
-        ("user", "all", "left", True, lambda r: r.user),
-        ("limit", "", "right", True, lambda r: _number(r.limit)),
-        ("tok/s", _number(total_rate), "right", True, lambda r: _number(r.rate)),
-        ("%", "", "right", False, _share),
-        (
-            "throttled",
-            str(sum(r.throttled for r in rows)),
-            "right",
-            True,
-            lambda r: str(r.throttled) if r.throttled else "",
-        ),
-        (
-            "tokens",
-            f"{sum(r.tokens for r in rows):,}",
-            "right",
-            False,
-            lambda r: f"{r.tokens:,}",
-        ),
-        (
-            "refunds",
-            f"{sum(r.refunds for r in rows):,}",
-            "right",
-            False,
-            lambda r: f"{r.refunds:,}" if r.refunds else "",
-        ),
-        ("TTFT ms", "", "right", True, _ttft_ms),
-        (
-            "refused",
-            str(sum(r.refused for r in rows)),
-            "right",
-            False,
-            lambda r: f"{r.refused:,}" if r.refused else "",
-        ),
-        ("idle s", "", "right", False, lambda r: _number(r.idle_s, 0)),
-    ]
-    columns = [c for c in columns if wide or c[3]]
-    for name, total, justify, _, _ in columns:
+    prompts = any(r.prompt_limit is not None for r in rows)
+    shown_columns = columns(rows, width=width, prompts=prompts)
+    for name, total, justify, _ in shown_columns:
         table.add_column(name, footer=total, justify=justify, no_wrap=True)
     for row in shown:
         table.add_row(
-            *(cell(row) for *_, cell in columns),
+            *(cell(row) for *_, cell in shown_columns),
             style="bold" if row.throttled else None,
         )
     hidden = len(rows) - len(shown)

@@ -1,8 +1,9 @@
 """Prompt-token rates per user (``prompt_budget.py``) on vLLM's real
 scheduler, sync and async, with a fake clock: the window bound on prompt
 tokens computed, progress of prompts far larger than the burst, users
-without a binding prompt rate left alone, and the accounting invariant
-(checked for every test by the ``limited`` fixture)."""
+without a binding prompt rate left alone, the statistics' count of prompt
+tokens computed, and the accounting invariant (checked for every test by the
+``limited`` fixture)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,44 @@ def test_users_that_left_are_forgotten(limited) -> None:
     for _ in range(CLEANUP_EVERY_STEPS):
         h.step(STEP_NS)
     assert len(prompt_limiter) == 0
+
+
+def test_the_statistics_count_the_prompt_tokens_computed(limited) -> None:
+    # Prefill under binding prompt rates, recomputation after the plugin
+    # takes a slot back (two slots, five users at 5 tok/s: time-shared)
+    # and a prefix-cache hit (free): each user's prompt tokens on record,
+    # in its admin view and under its metrics label, are those computed
+    # (and charged: the fixture's check).
+    users = {f"u{i}": 5.0 for i in range(5)}
+    h = limited(
+        1_000.0,
+        users,
+        prompt={"default": 2_000.0, "u0": 100.0},
+        max_num_seqs=2,
+        max_num_batched_tokens=512,
+    )
+    shared = list(range(1, 321))
+    h.add("u0", prompt=shared, max_tokens=4)
+    for user in users:
+        h.add(user, prompt_len=200, max_tokens=8)
+    h.run_until_done(STEP_NS)
+    h.add("u0", prompt=[*shared, 7, 8], max_tokens=2)
+    h.run_until_done(STEP_NS)
+    assert h.preemptions > 0
+    policy = h.scheduler.output_rate
+    computed = {user: len(prompt_token_times(h, user)) for user in users}
+    u0_times = prompt_token_times(h, "u0")
+    # u0's rate binds: ~520 tokens at 100 tok/s (the others' prompts take
+    # under 2 s).
+    assert (u0_times[-1] - u0_times[0]) / S > 4.0
+    on_record, _, _ = policy.stats.users_page(h.clock.now_ns, 100)
+    assert {u: view["prompt_tokens"] for u, view in on_record.items()} == computed
+    labels = policy.metrics_snapshot()["labels"]
+    assert {u: labels[u]["prompt_tokens"] for u in users} == computed
+    # The prompts once (but a prompt's last token, which samples), the
+    # tokens computed again after a preemption, and of the cached prompt's
+    # second request only the token past its cached blocks.
+    recomputed = {u: labels[u]["recomputed_tokens"] for u in users}
+    assert sum(recomputed.values()) > 0
+    firsts = {u: 199 for u in users} | {"u0": 319 + 199 + 1}
+    assert computed == {u: firsts[u] + recomputed[u] for u in users}

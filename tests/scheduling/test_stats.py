@@ -211,6 +211,25 @@ def test_throttling_refunds_and_first_tokens_per_user_and_label() -> None:
     assert stats.snapshot()["alice"]["resident_throttled"] == 3
 
 
+def test_prompt_tokens_per_user_and_label_and_they_keep_records_alive() -> None:
+    stats = OutputRateStats(["alice"], recent_users=0)
+    retention = round(USER_RETENTION_S * NS_PER_S)
+    stats.record_step(0, Counter({"alice": 1, "bob": 1}), NOTHING, NOTHING)
+    # Prompt work only: x gets a record like a served user, bob stays.
+    stats.record_prompt_tokens(retention, Counter({"alice": 100, "x": 30, "bob": 5}))
+    stats.record_prompt_tokens(retention, Counter({"alice": 20}))
+    snapshot = stats.snapshot()
+    assert snapshot["alice"]["prompt_tokens"] == 120
+    assert snapshot[OTHER_USERS]["prompt_tokens"] == 35
+    assert snapshot[OTHER_USERS]["tokens_admitted"] == 1  # bob's output only
+    stats.forget_users([], retention + 1)
+    users, _, total = stats.users_page(retention + 1, 10)
+    assert total == 3
+    assert users["alice"]["prompt_tokens"] == 120
+    assert users["x"]["prompt_tokens"] == 30 and users["x"]["tokens_admitted"] == 0
+    assert users["bob"]["prompt_tokens"] == 5 and users["bob"]["idle_s"] == 1e-9
+
+
 def test_forgetting_users_keeps_the_gaps_of_the_others() -> None:
     stats = OutputRateStats(NAMED, recent_users=0)
     for now in (10, 20, 30):  # the same step three times: repeated updates

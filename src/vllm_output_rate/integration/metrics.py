@@ -6,7 +6,9 @@ snapshot of them and this collector renders the latest one on vLLM's own
 ``vllm:`` convention. The ``user`` label is bounded by the engine
 (``scheduling/stats.py: MetricLabels``): the listed users, ``__anonymous__``,
 at most ``--output-rate-metrics-recent-users`` users with recent traffic,
-and ``__other__`` for everyone else; the limit gauge adds ``__default__``.
+and ``__other__`` for everyone else; the limit gauges add ``__default__``.
+With prompt-token limits on, prompt tokens are counted and their limit has a
+gauge of its own; off, that gauge is absent and the counter stays at 0.
 So a scrape costs the same with ten users configured or a million.
 """
 
@@ -36,6 +38,9 @@ COUNTERS = {
     "throttled_request_steps": "Request-steps skipped for lack of budget",
     "reclaimed": "Throttled resident requests preempted for users with budget",
     "recomputed_tokens": "Tokens computed again after a preemption",
+    "prompt_tokens": "Prompt tokens computed (prefill and recomputation after a "
+    "preemption; prefix-cache hits are free), counted only with prompt-token "
+    "limits on",
 }
 HISTOGRAMS = {
     "token_gap": (
@@ -96,6 +101,17 @@ class OutputRateCollector(Collector):
         for label, rate in self._snapshot["limits"].items():
             limit.add_metric([label], rate)
         yield limit
+        prompt_limits = self._snapshot.get("prompt_limits")
+        if prompt_limits is not None:  # prompt-token limits are on
+            prompt_limit = GaugeMetricFamily(
+                PREFIX + "prompt_limit_tokens_per_second",
+                "Each labelled user's prompt-token limit (__default__: users "
+                "without their own)",
+                labels=["user"],
+            )
+            for label, rate in prompt_limits.items():
+                prompt_limit.add_metric([label], rate)
+            yield prompt_limit
         shares = self._snapshot.get("fair_shares")
         if shares is not None:
             yield from fair_share_metrics(shares)

@@ -12,7 +12,7 @@ before anything else reads or changes the scheduler (``policy.finish_step``):
 * charges the step's service to the users' fair-share counters when the
   step left someone waiting, and credits floors (``fair_share.py``);
 * charges the prompt tokens computed to users with a prompt rate
-  (``prompt_budget.py``);
+  (``prompt_budget.py``) and counts them in the statistics;
 * keeps statistics, the dispatch log, first-token times, recomputation
   after preemption, and what the next step and the idle wait need.
 """
@@ -76,10 +76,12 @@ def settle(policy: OutputRatePolicy, step: Step) -> None:
     policy.prompt_held = False
     if step.prompt is not None:
         policy.prompt_held = bool(step.prompt.budget.refused_users)
-        # Every chunk counts: one cut to a single prompt token too.
-        ready_ns = step.prompt.settle(
-            computed_prompt_tokens(output.num_scheduled_tokens, host.requests)
-        )
+        # Every chunk counts: one cut to a single prompt token too. Counted
+        # only here: with prompt rates off, a step computes nothing more.
+        computed = computed_prompt_tokens(output.num_scheduled_tokens, host.requests)
+        ready_ns = step.prompt.settle(computed)
+        if computed:
+            policy.stats.record_prompt_tokens(now_ns, computed)
         if ready_ns is not None:
             wakeup = policy.wakeup_ns
             policy.wakeup_ns = ready_ns if wakeup is None else min(wakeup, ready_ns)

@@ -70,6 +70,9 @@ class LabelStats:
     resident_throttled: int = 0
     reclaimed: int = 0  # resident requests preempted for users with budget
     recomputed_tokens: int = 0  # computed again after any preemption
+    # Prompt tokens computed (prefill and recomputation; prefix-cache hits
+    # are not computed), counted only while prompt rates are on.
+    prompt_tokens: int = 0
     gaps: Histogram = field(default_factory=lambda: Histogram(GAP_BUCKETS_NS))
     first_token: Histogram = field(
         default_factory=lambda: Histogram(FIRST_TOKEN_BUCKETS_NS)
@@ -83,6 +86,7 @@ class LabelStats:
             "resident_throttled": self.resident_throttled,
             "reclaimed": self.reclaimed,
             "recomputed_tokens": self.recomputed_tokens,
+            "prompt_tokens": self.prompt_tokens,
             "token_gap": self.gaps.snapshot(),
             "first_token": self.first_token.snapshot(),
         }
@@ -99,3 +103,4 @@ class UserStats:
     throttled_request_steps: int = 0
     first_tokens: int = 0
     first_token_sum_ns: int = 0
+    prompt_tokens: int = 0  # as LabelStats.prompt_tokens

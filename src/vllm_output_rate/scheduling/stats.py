@@ -3,15 +3,15 @@
 ``OutputRateStats`` keeps the same counts twice: per **user**, for the admin
 stats endpoint (``users_page``: tokens dispatched, refunds, throttled
 request-steps, resident throttled requests, first tokens and their time
-from arrival; a record lasts while the user has traffic and
-``USER_RETENTION_S`` after), and per **label**, for Prometheus
-(``snapshot``; labels from ``metric_labels.MetricLabels``, so their number is
-bounded and each label's series only grows). The step's settling records
-into it (``record_step``, ``record_first_tokens``, ...) at a cost of
-O(users served), not O(tokens); steps that serve the same users as the last
-one are summed (``_LastStep``) and written into the counters when the users
-change or someone reads them. Why and how: docs/architecture.md,
-"Statistics and the label bound".
+from arrival, prompt tokens computed while prompt rates are on; a record
+lasts while the user has traffic and ``USER_RETENTION_S`` after), and per
+**label**, for Prometheus (``snapshot``; labels from
+``metric_labels.MetricLabels``, so their number is bounded and each label's
+series only grows). The step's settling records into it (``record_step``,
+``record_first_tokens``, ...) at a cost of O(users served), not O(tokens);
+steps that serve the same users as the last one are summed (``_LastStep``)
+and written into the counters when the users change or someone reads them.
+Why and how: docs/architecture.md, "Statistics and the label bound".
 """
 
 from __future__ import annotations
@@ -111,7 +111,10 @@ class _LastStep:
                 record = records[user] = UserStats(now_ns, now_ns)
                 created = True
             record.tokens_admitted += count
-            record.last_active_ns = now_ns
+            # Not back in time: traffic recorded since (prompt tokens,
+            # refunds) may have touched the record later than these steps.
+            if record.last_active_ns < now_ns:
+                record.last_active_ns = now_ns
         index = self.label_of_user
         if index is None:
             label_tokens = tokens
@@ -245,6 +248,15 @@ class OutputRateStats:
         for user, count in counts.items():
             self._stats(self.label_of(user)).recomputed_tokens += count
 
+    def record_prompt_tokens(self, now_ns: int, counts: Mapping[str, int]) -> None:
+        """Prompt tokens computed per user in the step at ``now_ns`` (prefill
+        and recomputation), as charged to the users' prompt rates. A user
+        computing a prompt has traffic: its record starts or stays alive, as
+        for tokens dispatched."""
+        for user, count in counts.items():
+            self._stats(self.label_of(user)).prompt_tokens += count
+            self._user(user, now_ns).prompt_tokens += count
+
     def _record_served(self, now_ns: int, served: Mapping[str, int]) -> None:
         """Users served in the same earlier step share one gap, so gaps are
         observed per (label, previous dispatch time), not per user."""
@@ -362,6 +374,7 @@ class OutputRateStats:
             "resident_throttled": self._resident_throttled.get(user, 0),
             "first_tokens": record.first_tokens,
             "first_token_sum_s": record.first_token_sum_ns / NS_PER_S,
+            "prompt_tokens": record.prompt_tokens,
             "idle_s": (now_ns - record.last_active_ns) / NS_PER_S,
             "tracked_s": (now_ns - record.since_ns) / NS_PER_S,
         }
