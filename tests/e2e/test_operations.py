@@ -28,6 +28,11 @@ def server(tiny_model_path: str):
         '["user-b"]',
         "--output-rate-metrics-recent-users",
         "3",
+        # Prompt rates far above what the tests send: on, never binding.
+        "--default-user-prompt-tokens-per-second",
+        "1000000",
+        "--user-prompt-tokens-per-second",
+        '{"user-b": 500000}',
     ]
     env = {
         "VLLM_PLUGINS": "output_rate,output_rate_http",
@@ -84,6 +89,13 @@ def test_per_user_metrics_on_vllms_metrics_endpoint(server, tiny_model_path) -> 
     assert delta("__other__") + sum(map(delta, visitors)) == 2 * len(visitors)
     assert after['vllm:output_rate_limit_tokens_per_second{user="user-b"}'] == 30
     assert after['vllm:output_rate_limit_tokens_per_second{user="__default__"}'] == 40
+    # Prompt rates on: each label's prompt limit, and its prompt tokens
+    # computed (all but the last of each prompt, which counts as output).
+    prompt_limit = "vllm:output_rate_prompt_limit_tokens_per_second"
+    assert after[f'{prompt_limit}{{user="user-b"}}'] == 500_000
+    assert after[f'{prompt_limit}{{user="__default__"}}'] == 1_000_000
+    prompt = 'vllm:output_rate_prompt_tokens_total{user="user-b"}'
+    assert after[prompt] - before.get(prompt, 0) >= 1
     assert after['vllm:output_rate_token_gap_seconds_count{user="user-b"}'] >= 11
     first = 'vllm:output_rate_time_to_first_token_seconds_count{user="user-b"}'
     assert after[first] - before.get(first, 0) == 1
@@ -235,3 +247,32 @@ def test_lowering_a_rate_mid_stream_takes_effect(server, tiny_model_path) -> Non
     # stats requests themselves take.
     assert after_tokens <= (span + 0.1) * 10 + 1 + 2, (after_tokens, span)
     assert after_tokens >= 0.8 * 10 * span - 2, (after_tokens, span)
+
+
+def test_prompt_rates_are_read_and_changed_live(server) -> None:
+    limits_url = server + "/v1/output_rate/limits"
+    before = httpx.get(limits_url, headers=ADMIN).json()
+    assert before["default_user_prompt_tokens_per_second"] == 1_000_000
+    assert before["user_prompt_tokens_per_second"] == {"user-b": 500_000}
+    for bad in (
+        {"user_prompt_tokens_per_second": {"prompt-only": 0}},
+        {"default_user_prompt_tokens_per_second": "fast"},
+    ):
+        response = httpx.put(limits_url, json=bad, headers=ADMIN)
+        assert response.status_code == 400, (bad, response.text)
+    body = {"user_prompt_tokens_per_second": {"prompt-only": 250_000}}
+    changed = httpx.put(limits_url, json=body, headers=ADMIN)
+    assert changed.status_code == 200, changed.text
+    try:
+        now = httpx.get(limits_url, headers=ADMIN).json()
+        assert now["user_prompt_tokens_per_second"] == {
+            "user-b": 500_000,
+            "prompt-only": 250_000,
+        }
+        assert (
+            now["user_output_tokens_per_second"]
+            == before["user_output_tokens_per_second"]
+        )
+    finally:
+        httpx.put(limits_url, json={"remove_users": ["prompt-only"]}, headers=ADMIN)
+    assert httpx.get(limits_url, headers=ADMIN).json() == before
