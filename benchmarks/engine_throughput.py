@@ -95,8 +95,11 @@ def build_engine(pair: Pair, side: Side, model: str) -> tuple[Any, list[Any]]:
 
 def _child(pair: Pair, side: Side, model: str) -> None:
     llm, params = build_engine(pair, side, model)
-    prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * len(params)
     load = pair.load
+    if load.prompt_len is None:
+        prompts = [{"prompt_token_ids": PROMPT_TOKEN_IDS}] * len(params)
+    else:
+        prompts = distinct_prompts(len(params), load.prompt_len)
 
     def generate(generates: int) -> tuple[int, float]:
         if load.continuous:
@@ -115,6 +118,19 @@ def _child(pair: Pair, side: Side, model: str) -> None:
         generate(WARMUP_PER_RUN)
         tokens, seconds = generate(load.generates)
         _reply({"tokens": tokens, "seconds": seconds})
+
+
+def distinct_prompts(count: int, length: int) -> list[dict[str, list[int]]]:
+    """``count`` prompts of ``length`` tokens of the tiny model's vocabulary,
+    no two with the same first block, so no prefix cache serves them."""
+    return [
+        {
+            "prompt_token_ids": [
+                3 + (i * 7 + j * 13 + (i * j) % 5) % 500 for j in range(length)
+            ]
+        }
+        for i in range(count)
+    ]
 
 
 def _continuous(

@@ -53,6 +53,9 @@ class Load:
     max_tokens: int
     generates: int
     continuous: bool = False
+    # Prompt tokens per request (None: a short prompt); each request's own,
+    # so that no prefix cache serves them.
+    prompt_len: int | None = None
 
     def tokens_for(self, generates: int) -> int:
         return generates * len(self.users) * self.max_tokens
@@ -89,11 +92,33 @@ OURS = Side(
     output_rate={"default_user_output_tokens_per_second": FAR_LIMIT},
 )
 PLAIN_LOAD = Load((None,) * 32, max_tokens=256, generates=4)
+# 16 users, 32 requests of 512-token prompts and 64 tokens out a batch: about
+# 8 prompt tokens computed for each output token.
+PROMPT_LOAD = Load(
+    tuple(f"user-{i}" for i in range(16)) * 2,
+    max_tokens=64,
+    generates=2,
+    prompt_len=512,
+)
 
 PAIRS: dict[str, Pair] = {
     pair.name: pair
     for pair in (
         Pair("plain", "limits far above demand", STOCK, OURS, PLAIN_LOAD),
+        Pair(
+            "prompt",
+            "long prompts, prompt rates (and output limits) far above demand",
+            STOCK,
+            Side(
+                "ours",
+                True,
+                {
+                    **OURS.output_rate,
+                    "default_user_prompt_tokens_per_second": FAR_LIMIT,
+                },
+            ),
+            PROMPT_LOAD,
+        ),
         Pair(
             "hybrid",
             "the tiny hybrid (Mamba2 + attention) model, limits far above demand",

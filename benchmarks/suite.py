@@ -37,7 +37,7 @@ from benchmarks.measure import log
 from benchmarks.noise import NoiseMonitor
 from benchmarks.servers import ServerPool, common_flags
 
-THROUGHPUT_PAIRS = ("plain", "hybrid")  # kinds.PAIRS judged in "throughput"
+THROUGHPUT_PAIRS = ("plain", "prompt", "hybrid")  # kinds.PAIRS judged in "throughput"
 
 Measure = Callable[[bool, Path], dict[str, Any]]
 

@@ -10,6 +10,7 @@ from typing import Any
 
 COLUMNS = {
     "plain_engine": "engine, limits not binding",
+    "prompt_engine": "engine, long prompts, prompt rates not binding",
     "hybrid_engine": "hybrid model's engine",
     "step": "scheduler step, nobody throttled (worst)",
     "isolation": "B beside A / alone",

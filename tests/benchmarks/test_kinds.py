@@ -52,3 +52,17 @@ def test_the_store_side_leases_from_the_url_it_is_given(
         "store_url"
         not in engine_args(store, store.baseline)["additional_config"]["output_rate"]
     )
+
+
+def test_the_prompt_pair_counts_prompt_work_that_never_binds() -> None:
+    from benchmarks.engine_throughput import distinct_prompts
+
+    pair = PAIRS["prompt"]
+    ours = engine_args(pair, pair.candidate)["additional_config"]["output_rate"]
+    assert ours["default_user_prompt_tokens_per_second"] == FAR_LIMIT
+    assert len(set(pair.load.users)) == 16 and pair.load.prompt_len == 512
+    prompts = distinct_prompts(32, 512)
+    ids = [p["prompt_token_ids"] for p in prompts]
+    assert all(len(p) == 512 and min(p) > 0 and max(p) < 512 for p in ids)
+    # No two share a first block (16 tokens): no prefix cache serves them.
+    assert len({tuple(p[:16]) for p in ids}) == 32

@@ -52,17 +52,26 @@ def engine(pair: str, ratio: float, labels: tuple[str, str] = ("stock", "ours"))
 
 def test_engine_throughput_is_judged_per_pair(tmp_path: Path) -> None:
     results = {
-        "pairs": {"plain": engine("plain", 1.01), "hybrid": engine("hybrid", 0.9)}
+        "pairs": {
+            "plain": engine("plain", 1.01),
+            "prompt": engine("prompt", 0.99),
+            "hybrid": engine("hybrid", 0.9),
+        }
     }
     rows = throughput_report.summary_rows(results)
     assert [(what, met) for what, _, _, met in rows] == [
         ("engine throughput, plain", True),
+        ("engine throughput, prompt", True),
         ("engine throughput, hybrid", False),
     ]
     assert throughput_report.headlines(results) == {
         "plain_engine": 1.01,
+        "prompt_engine": 0.99,
         "hybrid_engine": 0.9,
     }
+    # A run without the prompt pair (older results) has no figure for it.
+    del results["pairs"]["prompt"]
+    assert throughput_report.headlines(results)["prompt_engine"] is None
     text = throughput_report.section(results, tmp_path / "figs", tmp_path)
     assert "ours / stock **1.010 [1.00-1.02]**" in text
     assert "| `schedule()` | 100.0 | 110.0 |" in text
