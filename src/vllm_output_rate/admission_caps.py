@@ -39,7 +39,6 @@ DEFAULT_TOKENS_FLAG = "--default-user-max-queued-prompt-tokens"
 TOKENS_FLAG = "--user-max-queued-prompt-tokens"
 GLOBAL_REQUESTS_FLAG = "--max-num-queued-reqs"
 GLOBAL_TOKENS_FLAG = "--max-num-queued-tokens"
-REMOVE_KEY = "remove_users"
 
 # Refusal reasons (the metrics' ``reason`` label). vLLM's own global caps
 # keep vLLM's names.

@@ -27,7 +27,6 @@ import yaml
 
 from vllm_output_rate.admission_caps import (
     ADMISSION_KEYS,
-    REMOVE_KEY,
     Caps,
     GlobalCaps,
     admission_part,
@@ -35,6 +34,7 @@ from vllm_output_rate.admission_caps import (
     without_admission_keys,
 )
 from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY, FILE_KEY
+from vllm_output_rate.limits_update import REMOVE_KEY
 from vllm_output_rate.scheduling.demand import USER_ATTR
 from vllm_output_rate.validation import OutputRateConfigError
 
