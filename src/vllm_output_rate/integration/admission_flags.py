@@ -38,7 +38,8 @@ from vllm_output_rate.admission_caps import (
     validate_cap,
 )
 from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY, DEFAULT_FLAG, FILE_FLAG
-from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
+from vllm_output_rate.integration.cli_flags import plugin_group
+from vllm_output_rate.integration.flag_types import config_arg
 from vllm_output_rate.validation import OutputRateConfigError
 
 HTTP_PLUGIN = "output_rate_http"

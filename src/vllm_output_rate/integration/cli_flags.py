@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -20,14 +19,22 @@ from vllm_output_rate.config import (
     OutputRateSettings,
     load_store_settings,
     merge_settings,
-    parse_metrics_users,
-    validate_recent_users,
 )
 from vllm_output_rate.fair_settings import (
     CAPACITY_FLAG,
     FLOORS_FLAG,
     WEIGHTS_FLAG,
-    parse_user_weights,
+)
+from vllm_output_rate.integration.flag_types import (
+    capacity_arg,
+    floors_arg,
+    metrics_users_arg,
+    rate_arg,
+    recent_users_arg,
+    share_arg,
+    store_arg,
+    users_arg,
+    weights_arg,
 )
 from vllm_output_rate.store.settings import (
     FALLBACK_FLAG,
@@ -37,103 +44,19 @@ from vllm_output_rate.store.settings import (
     STORE_REQUIRED_KEY,
     STORE_URL_KEY,
     StoreSettings,
-    check_store_url,
-    redact_url,
 )
 from vllm_output_rate.validation import (
     OutputRateConfigError,
-    parse_user_rates,
-    validate_rate,
 )
 
 GROUP_TITLE = "OutputRateLimit"
 T = TypeVar("T")
 
 
-def _rate_arg(text: str) -> float:
-    try:
-        return validate_rate(float(text), DEFAULT_FLAG)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def config_arg(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """An argparse ``type`` from a parser that raises OutputRateConfigError
-    (argparse then names the flag and exits with the message)."""
-
-    def parse_arg(text: str) -> T:
-        try:
-            return parse(text)
-        except OutputRateConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse_arg
-
-
 def plugin_group(parser: argparse.ArgumentParser) -> Any:
     """The plugin's argument group (``add_cli_args`` made it), else the
     parser itself: where the other flag modules add theirs."""
     return next((g for g in parser._action_groups if g.title == GROUP_TITLE), parser)
-
-
-def _parsed_with(parse: Callable[[str, str], T], flag: str) -> Callable[[str], T]:
-    """An argparse ``type`` from one of config's parsers (errors name ``flag``)."""
-    return config_arg(lambda text: parse(text, flag))
-
-
-_users_arg = _parsed_with(parse_user_rates, USERS_FLAG)
-_weights_arg = _parsed_with(parse_user_weights, WEIGHTS_FLAG)
-_floors_arg = _parsed_with(parse_user_rates, FLOORS_FLAG)
-
-
-def _capacity_arg(text: str) -> float:
-    try:
-        return validate_rate(float(text), CAPACITY_FLAG)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _metrics_users_arg(text: str) -> tuple[str, ...]:
-    try:
-        return parse_metrics_users(text, METRICS_USERS_FLAG)
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class StoreUrl(str):
-    """A store URL that shows without its password (vLLM logs its flags)."""
-
-    def __repr__(self) -> str:
-        return repr(str(self))
-
-    def __str__(self) -> str:
-        return redact_url(str.__str__(self))  # a plain str: no recursion
-
-
-def _store_arg(text: str) -> StoreUrl:
-    try:
-        return StoreUrl(check_store_url(text))
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _recent_users_arg(text: str) -> int:
-    try:
-        return validate_recent_users(text, METRICS_RECENT_FLAG)
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _share_arg(text: str) -> float:
-    try:
-        share = float(text)
-    except ValueError:
-        share = -1.0
-    if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(
-            f"{FALLBACK_FLAG}: expected a number in (0, 1], got {text!r}"
-        )
-    return share
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +73,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         DEFAULT_FLAG,
-        type=_rate_arg,
+        type=rate_arg,
         default=None,
         metavar="TOK_PER_S",
         help="Enable limiting: every user not listed otherwise may receive this "
@@ -159,7 +82,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         USERS_FLAG,
-        type=_users_arg,
+        type=users_arg,
         default=None,
         metavar="JSON",
         help='Per-user limits as a JSON object, e.g. \'{"user-a": 100, '
@@ -167,7 +90,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         WEIGHTS_FLAG,
-        type=_weights_arg,
+        type=weights_arg,
         default=None,
         metavar="JSON",
         help="Fair shares when the engine is full: per-user weights, e.g. "
@@ -177,7 +100,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         FLOORS_FLAG,
-        type=_floors_arg,
+        type=floors_arg,
         default=None,
         metavar="JSON",
         help="Guaranteed floors, e.g. '{\"tenant-a\": 300}' (tok/s): a user "
@@ -186,7 +109,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         CAPACITY_FLAG,
-        type=_capacity_arg,
+        type=capacity_arg,
         default=None,
         metavar="TOK_PER_S",
         help="Output tokens per second this engine sustains under load; "
@@ -211,7 +134,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         METRICS_RECENT_FLAG,
-        type=_recent_users_arg,
+        type=recent_users_arg,
         default=None,
         metavar="N",
         help="Metrics: up to N users with recent traffic get their own 'user' "
@@ -220,14 +143,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         METRICS_USERS_FLAG,
-        type=_metrics_users_arg,
+        type=metrics_users_arg,
         default=None,
         metavar="JSON",
         help="Metrics: users that always get their own label, e.g. '[\"vip-1\"]'.",
     )
     group.add_argument(
         STORE_FLAG,
-        type=_store_arg,
+        type=store_arg,
         default=None,
         metavar="URL",
         help="Share every user's budget with all engines using this Redis/Valkey "
@@ -244,7 +167,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         FALLBACK_FLAG,
-        type=_share_arg,
+        type=share_arg,
         default=None,
         metavar="SHARE",
         help="Part of every limit an engine serves on its own while the store is "

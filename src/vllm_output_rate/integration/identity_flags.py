@@ -18,7 +18,8 @@ import re
 
 from vllm_output_rate.config import API_KEYS_FLAG, DEFAULT_FLAG
 from vllm_output_rate.identity import BODY_FIELDS
-from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
+from vllm_output_rate.integration.cli_flags import plugin_group
+from vllm_output_rate.integration.flag_types import config_arg
 from vllm_output_rate.validation import OutputRateConfigError
 
 USER_HEADER_FLAG = "--output-rate-user-header"

@@ -11,7 +11,8 @@ import argparse
 from dataclasses import replace
 
 from vllm_output_rate.config import DEFAULT_FLAG, OutputRateSettings, file_prompt_rates
-from vllm_output_rate.integration.cli_flags import config_arg, plugin_group
+from vllm_output_rate.integration.cli_flags import plugin_group
+from vllm_output_rate.integration.flag_types import config_arg
 from vllm_output_rate.prompt_limits import (
     DEFAULT_PROMPT_FLAG,
     PROMPT_USERS_FLAG,
