@@ -319,17 +319,14 @@ class OutputRateLimiter:
         count: int,
         later_takes: Iterable[tuple[int, int]] = (),
     ) -> None:
-        """Give back ``count`` tokens of a take made in an earlier step.
+        """Give back ``count`` tokens of a take made in an earlier step,
+        ending in the state GCRA would have reached had that take been
+        ``count`` smaller (``refund`` when there are no ``later_takes``).
 
-        ``later_takes`` lists, oldest first, the takes of ``user`` made since
-        then that were granted at least one token: ``(clock_ns, kept)``, the
-        clock reading of the take (or any later one) and the tokens kept of
-        it. The result is exactly the state GCRA would have reached had the
-        earlier take been ``count`` smaller: the later takes' tokens keep
-        due times no earlier than their own clock readings, so a late refund
-        never lets a token in ahead of its slot. With no later takes this is
-        ``refund``. (A clock reading later than the take's own only makes
-        the result stricter.)
+        ``later_takes``: oldest first, the takes of ``user`` since then that
+        kept at least one token, as ``(clock_ns, kept)`` (a later clock
+        reading only makes the result stricter). Why: docs/architecture.md,
+        "Engine modes".
         """
         if count <= 0:
             return
