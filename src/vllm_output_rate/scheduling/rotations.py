@@ -4,21 +4,12 @@
 ``ordering.share_slots`` does (the same running order, grants and
 ``SharedSlots``) in steps where every user is covered (no request goes last
 for lack of budget), FCFS and without floors: the caller checks that. Its
-work follows what changed since the step it last ranked or kept, not what
-is resident, and it reads no request that step did not schedule:
-
-* each user's requests are kept in the order the ranking reads them (its
-  rotation), with the step each was last served in, and sorted again only
-  for the users *touched*: scheduled in the last step, with a request
-  finished or admitted, or claiming slots for waiting requests;
-* the other users wait in two heaps keyed by their first slot's rank (at
-  and above the level: untouched, only the level moves them), taken from
-  the top only while they rank ahead of the last slot handed out;
-* the slots go to the lowest keys, in one sort of the candidates' keys, and
-  vLLM's running list is rebuilt from per-user slices.
-
-Requests are opaque (``user_of``, ``last_served_of``, ``id_of``). Why this
-ranks as ``share_slots`` does: docs/architecture.md, "Rotations".
+work follows what changed since the step it last ranked or kept (the users
+touched: served, finishing, admitted or claiming), not what is resident,
+and it reads no request that step did not schedule. Requests are opaque
+(``user_of``, ``last_served_of``, ``id_of``). How it keeps the users not
+touched, and why it ranks as ``share_slots`` does: docs/architecture.md,
+"Rotations".
 """
 
 from __future__ import annotations
