@@ -1,8 +1,8 @@
 """One engine's lease table: its leases and every decision about them (no vLLM import).
 
 ``LeaseTable`` holds, for each user with demand on this engine, its lease
-(this engine's share of the user's limit, when it expires, when to ask
-again, what was last reported), the users waiting for a usable lease
+(``lease.Lease``: this engine's share of the user's limit, when it expires,
+when to ask again, what it reports), the users waiting for a usable lease
 (*blocked*), the limits in force, and whether the engine serves without the
 store. It decides what a round asks (``asks``), and applies a round's answer
 (``answered`` then ``apply_answer``), a failed round (``round_failed``: wait,
@@ -26,43 +26,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_output_rate.store.messages import UNBOUNDED, Exchange, LeaseAsk, Round
+from vllm_output_rate.store.lease import NS, Lease
+from vllm_output_rate.store.messages import Exchange, LeaseAsk, Round
 from vllm_output_rate.store.resume import ResumeCaps
 from vllm_output_rate.store.settings import StoreSettings
 
-NS = 1_000_000_000
-# A shared user's lease is given back after this many asks in a row (one
-# per refresh cycle) saw no demand at all.
-RELEASE_AFTER_IDLE_ASKS = 3
-# An engine that was not held back reports what it used, with headroom.
-WANT_HEADROOM = 1.25
-WANT_EXTRA_TOK_S = 2.0
-
 # The pacer's rate changes: user -> tok/s (None: back to the default rate).
 RateChanges = dict[str, float | None]
-
-
-@dataclass(slots=True)
-class Lease:
-    rate: float  # this engine's share, tok/s (0: none free right now)
-    expires_ns: int  # local clock; the rate is not used after it
-    weight: float  # unfinished requests reported with the last ask
-    renew_ns: int  # when the next ask is due
-    shared: bool = False  # other engines hold a lease for this user too
-    # For shared users: tokens taken and steps held back (monotonic), and
-    # their values at the last ask.
-    used: int = 0
-    held_back: int = 0
-    reported_used: int = 0
-    reported_held_back: int = 0
-    reported_ns: int = 0
-    used_rate: float = 0.0  # smoothed tok/s
-    # For shared users: the most unfinished requests in any step since the
-    # last ask, and how many asks in a row saw none. A stream between two
-    # requests has none for a moment; an instant's count would move shares,
-    # and every lowered share idles for the grace.
-    peak_demand: int = 0
-    idle_asks: int = 0
 
 
 @dataclass
@@ -194,11 +164,11 @@ class LeaseTable:
             lease = leases.get(user)
             if lease is None or user in asks:
                 continue
-            weight = self._weight(lease, demand.get(user, 0))
+            weight = lease.report_weight(demand.get(user, 0))
             if weight is None:
                 self._schedule(user, lease, self.refresh_ns, now)
                 continue  # idle for a moment: ask nothing, keep the share
-            asks[user] = LeaseAsk(user, weight, self._want(lease, now, weight))
+            asks[user] = LeaseAsk(user, weight, lease.report_want(now, weight))
             lease.weight = weight
             if weight == 0:
                 # Given back: not used from now on (the user has no demand).
@@ -214,35 +184,6 @@ class LeaseTable:
             if lease is not None and lease.renew_ns == renew_ns:
                 due.append(user)
         return due
-
-    def _weight(self, lease: Lease, now_demand: int) -> int | None:
-        """The weight to report: a shared user's peak demand since the last
-        ask; None (ask nothing yet) while it has been idle only briefly."""
-        if not lease.shared:
-            return now_demand
-        peak, lease.peak_demand = max(lease.peak_demand, now_demand), 0
-        if peak:
-            lease.idle_asks = 0
-            return peak
-        lease.idle_asks += 1
-        return None if lease.idle_asks < RELEASE_AFTER_IDLE_ASKS else 0
-
-    def _want(self, lease: Lease, now: int, weight: float) -> float:
-        """What this engine asks for: unbounded, unless the user is shared
-        and was never held back since the last ask (then: what it used)."""
-        if not lease.shared or weight == 0:
-            return UNBOUNDED
-        elapsed_s = max(1e-3, (now - lease.reported_ns) / NS)
-        rate = (lease.used - lease.reported_used) / elapsed_s
-        held_back = lease.held_back != lease.reported_held_back
-        lease.reported_used, lease.reported_held_back = lease.used, lease.held_back
-        lease.reported_ns = now
-        lease.used_rate = (
-            rate if not lease.used_rate else 0.5 * (lease.used_rate + rate)
-        )
-        if held_back:
-            return UNBOUNDED
-        return round(lease.used_rate * WANT_HEADROOM + WANT_EXTRA_TOK_S, 3)
 
     def _schedule(self, user: str, lease: Lease, delay_ns: int, now: int) -> None:
         lease.renew_ns = now + delay_ns

@@ -12,8 +12,9 @@ the budget, ``attach``, ``between_steps`` (start of every step: apply the
 posted results, note new users) and ``apply_pending``. The refresher thread
 (``refresher.py``) calls ``start_round`` and ``finish_round``, which build
 its asks and post its results under ``_lock``. The leases and every decision
-about them are in ``lease_table.LeaseTable`` (pure); this class is the lock,
-the hand-off between the threads and the pacer around it.
+about them are in ``lease_table.LeaseTable`` (pure), the budget's calls at
+the pacer in ``lease_pacing.LeasePacing`` (which this class extends); this
+class is the lock and the hand-off between the threads.
 
 The bound this keeps over all engines (at most ``(W + b) x limit + N`` tokens
 of a user in any window of W seconds, N engines holding a lease), its proof
@@ -25,10 +26,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, KeysView, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm_output_rate.limiter import DEFAULT_BURST_NS, OutputRateLimiter
+from vllm_output_rate.store.lease_pacing import LeasePacing
 from vllm_output_rate.store.lease_table import (
     LeaseTable,
     Outage,
@@ -47,11 +49,9 @@ from vllm_output_rate.validation import validate_rate, validate_user_name
 
 # Slack for the engine's step between an answer's arrival and its use.
 STEP_SLACK_S = 0.1
-# A blocked user waiting for its first answer is looked at again this soon.
-FIRST_ANSWER_POLL_NS = 2_000_000
 
 
-class LeasedLimiter:
+class LeasedLimiter(LeasePacing):
     """The step budget's limiter when limits are shared through a store."""
 
     def __init__(
@@ -89,104 +89,7 @@ class LeasedLimiter:
         self._results: list[Posted] = []
         self._writes: list[LimitsWrite] = []
 
-    # ----- what the policy calls (the Budget interface) ---------------------
-
-    @property
-    def burst_ns(self) -> int:
-        return self.pacer.burst_ns
-
-    def now_ns(self) -> int:
-        return self._clock()
-
-    @property
-    def default_rate(self) -> float:
-        return self.table.default_rate
-
-    @property
-    def user_rates(self) -> dict[str, float]:
-        return dict(self.table.user_rates)
-
-    def rate_of(self, user: str) -> float:
-        return self.table.rate_of(user)
-
-    @property
-    def last_take_ns(self) -> int:
-        return self.pacer.last_take_ns
-
-    def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]:
-        table = self.table
-        blocked = table.blocked
-        if blocked and not blocked.isdisjoint(wanted):
-            got = self.pacer.take_many(
-                {u: c for u, c in wanted.items() if u not in blocked}
-            )
-            got.update(dict.fromkeys(blocked.intersection(wanted), 0))
-        else:
-            got = self.pacer.take_many(wanted)
-        if table.shared:
-            leases = table.leases
-            for user in table.shared.intersection(got):
-                lease = leases.get(user)  # the refresher may have let it go
-                if lease is not None:
-                    lease.used += got[user]
-                    if got[user] < wanted[user]:
-                        lease.held_back += 1
-        return got
-
-    def take_up_to(self, user: str, wanted: int) -> int:
-        return self.take_many({user: wanted})[user]
-
-    def try_take(self, user: str) -> bool:
-        return self.take_up_to(user, 1) == 1
-
-    def refund(self, user: str, count: int = 1) -> None:
-        self.pacer.refund(user, count)
-        self._unuse(user, count)
-
-    def refund_many(self, counts: Mapping[str, int]) -> None:
-        for user, count in counts.items():
-            self.refund(user, count)
-
-    def refunds_absorbed(self, users: KeysView[str]) -> bool:
-        # A shared user's refunds also go back to its lease.
-        return self.table.shared.isdisjoint(users) and self.pacer.refunds_absorbed(
-            users
-        )
-
-    def refund_late(
-        self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
-    ) -> None:
-        """``OutputRateLimiter.refund_late`` at this engine's share (speculative
-        decoding: drafts a later report says were rejected)."""
-        self.pacer.refund_late(user, count, later_takes)
-        self._unuse(user, count)
-
-    def _unuse(self, user: str, count: int) -> None:
-        """A shared user's refunded tokens were not used after all."""
-        table = self.table
-        lease = table.leases.get(user) if table.shared else None
-        if lease is not None and lease.shared and count > 0:
-            lease.used -= count
-
-    def tokens_within(self, user: str, window_ns: int) -> int:
-        """At this engine's share of the limit (none while it waits for one)."""
-        if user in self.table.blocked:
-            return 0
-        return self.pacer.tokens_within(user, window_ns)
-
-    def ready_at_ns(self, user: str) -> int:
-        table = self.table
-        if user in table.blocked:
-            now = self._clock()
-            wait = FIRST_ANSWER_POLL_NS if user in table.awaiting else table.refresh_ns
-            return now + wait
-        return self.pacer.ready_at_ns(user)
-
-    def cleanup_idle_users(self) -> int:
-        return self.pacer.cleanup_idle_users()
-
-    def __len__(self) -> int:
-        return len(self.pacer)
+    # ----- an operator's change (the rest of the Budget interface) ---------
 
     def update_rates(
         self,
