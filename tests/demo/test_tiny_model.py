@@ -354,3 +354,38 @@ def test_the_hybrid_variant_is_a_mamba2_and_attention_model(tmp_path):
     assert "GraniteMoeHybridAttention" in kinds
     ids = AutoTokenizer.from_pretrained(path)("Bread is made", return_tensors="pt")
     assert model(**ids).logits.shape[-1] == config["vocab_size"]
+
+
+def test_the_vision_variant_turns_each_image_into_its_image_tokens(tmp_path):
+    import json
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from vllm_output_rate.demo.tiny_vision import IMAGE_TOKEN, image_seq_len
+
+    path = build_tiny_model(tmp_path / "vision", variant="vision")
+    assert is_complete(path, "vision") and not is_complete(path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Idefics3ForConditionalGeneration"]
+    vision = tiny_model_recipe.VARIANTS["vision"]["vision"]
+    assert image_seq_len(vision) == 64  # (224 / 14)^2 patches, merged 2 x 2
+    # Without torchvision: transformers' PIL image processor.
+    processor = AutoProcessor.from_pretrained(path)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "image"},
+                {"type": "text", "text": "hi"},
+            ],
+        }
+    ]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    pictures = [Image.new("RGB", (64, 48)), Image.new("RGB", (300, 200))]
+    ids = processor(text=text, images=pictures)["input_ids"][0]
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    # Any image size: one tile, 64 image tokens each.
+    assert list(ids).count(image_id) == 2 * 64
+    assert config["image_token_id"] == image_id

@@ -84,6 +84,13 @@ def _write_marker(directory: Path, variant: str) -> None:
 
 
 def _build_into(directory: Path, variant: str) -> None:
+    vision = VARIANTS[variant].get("vision")
+    if vision is not None:
+        from vllm_output_rate.demo.tiny_vision import save_vision_model
+
+        save_vision_model(directory, vision)
+        _write_marker(directory, variant)
+        return
     tokenizer = train_tokenizer()
     tokenizer.save_pretrained(directory)
     save_model(directory, len(tokenizer), token_ids(tokenizer), variant)

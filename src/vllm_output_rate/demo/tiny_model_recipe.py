@@ -16,6 +16,8 @@ Variants (``VARIANTS``; the default one never changes):
   drafts it accepts (greedily always, at temperature 1 about 80 %).
 * ``hybrid``: a Granite 4 style hybrid (one Mamba2 and one attention layer,
   dense MLPs; vLLM's CPU build has Mamba2 kernels), for hybrid models' tests.
+* ``vision``: an Idefics3 (SmolVLM's architecture) over the tiny Llama, for
+  image inputs (``tiny_vision.py``).
 """
 
 from __future__ import annotations
@@ -76,11 +78,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # In the recipe, so that a change of shape rebuilds the cached model.
     "hybrid": {"hybrid_shape": HYBRID_SHAPE},
+    # 224-pixel images in patches of 14, merged 2 x 2: 64 image tokens each.
+    "vision": {
+        "vision": {
+            "image_size": 224,
+            "patch_size": 14,
+            "scale_factor": 2,
+            "encoder_shape": {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            },
+            # Bump when tiny_vision.py's tokens or template change.
+            "version": 1,
+        }
+    },
 }
 SEED = 1234
 # Weight init draws from torch's global RNG; two threads building at once
 # would interleave draws and break determinism.
-_RNG_LOCK = threading.Lock()
+RNG_LOCK = threading.Lock()
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -279,7 +297,7 @@ def save_model(
     # Seed right before construction: weight init is the only RNG consumer,
     # which makes the safetensors file byte-identical across builds.  fork_rng
     # restores the caller's RNG state afterwards (e.g. a test's own seed).
-    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+    with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
