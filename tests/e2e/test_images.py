@@ -24,7 +24,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from harness.prefill_load import light_requests, user
+from harness.prefill_load import light_alone_and_beside, user
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.demo.tiny_model import build_tiny_model
 
@@ -99,42 +99,27 @@ def charged(url: str, name: str) -> int:
     return int(stats["users"].get(name, {}).get("prompt_tokens", 0))
 
 
-async def alone_and_beside(url: str, model: str) -> dict[str, Any]:
-    client = AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
-    )
-    await light_requests(client, model, 5)  # warm-up
-    _, alone = await light_requests(client, model, LIGHT_REQUESTS)
-    stop, prompts = asyncio.Event(), []
-    started = time.monotonic()
-    hogs = [
-        asyncio.create_task(hog_loop(client, model, stop, prompts))
-        for _ in range(HOG_STREAMS)
-    ]
-    await asyncio.sleep(3)  # the hog's images wait at its rate
-    _, beside = await light_requests(client, model, LIGHT_REQUESTS)
-    stop.set()
-    await asyncio.gather(*hogs)
-    elapsed = time.monotonic() - started
-    await client.close()
-    return {"alone": alone, "beside": beside, "prompts": prompts, "elapsed": elapsed}
-
-
 def test_images_are_charged_and_paced_at_the_users_prompt_rate() -> None:
     model = str(build_tiny_model(variant="vision"))
+    prompts: list[int] = []
+
+    def start_hog(client: AsyncOpenAI, stop: asyncio.Event) -> list[Any]:
+        return [
+            asyncio.create_task(hog_loop(client, model, stop, prompts))
+            for _ in range(HOG_STREAMS)
+        ]
+
     with running_server(model, ARGS, env=ENV) as server:
-        run = asyncio.run(alone_and_beside(str(server), model))
+        alone, beside, elapsed = asyncio.run(
+            light_alone_and_beside(str(server), model, start_hog, LIGHT_REQUESTS)
+        )
         time.sleep(1.5)  # the stats are the engine's, read through its RPC
         hog_charged = charged(str(server), "hog")
-    prompts, elapsed = run["prompts"], run["elapsed"]
     # Each answer's prompt: its images' tokens and a few of text; all but
     # its last token computed as prompt.
     assert prompts and min(prompts) >= IMAGES * IMAGE_TOKENS, prompts
     computed = sum(tokens - 1 for tokens in prompts)
-    alone_s, beside_s = (
-        statistics.median(run["alone"]),
-        statistics.median(run["beside"]),
-    )
+    alone_s, beside_s = statistics.median(alone), statistics.median(beside)
     print(
         f"hog: {len(prompts)} answers of {prompts[0]} prompt tokens, {computed} "
         f"computed in {elapsed:.1f} s ({computed / elapsed:,.0f} tok/s, rate "
@@ -149,4 +134,4 @@ def test_images_are_charged_and_paced_at_the_users_prompt_rate() -> None:
     assert computed <= (elapsed + BURST_S) * HOG_RATE + 1 + STEP_TOKENS
     # And the rate in the long run, less what was in flight at the end.
     assert computed >= elapsed * HOG_RATE - HOG_STREAMS * max(prompts)
-    assert beside_s <= 2 * alone_s + MARGIN_S, (run["alone"], run["beside"])
+    assert beside_s <= 2 * alone_s + MARGIN_S, (alone, beside)

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 
 import pytest
-from openai import AsyncOpenAI
 
-from harness.prefill_load import ENGINE_ARGS, light_requests, start_hog
+from harness.prefill_load import ENGINE_ARGS, light_alone_and_beside, start_hog
 from vllm_output_rate.demo.server import running_server
 
 pytestmark = pytest.mark.e2e
@@ -43,30 +41,16 @@ BURST_S = 0.1
 MARGIN_S = 0.05
 
 
-async def alone_and_beside(
-    url: str, model: str
-) -> tuple[list[float], list[float], list[int], float]:
-    client = AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
-    )
-    await light_requests(client, model, 5)  # warm-up
-    _, alone = await light_requests(client, model, LIGHT_REQUESTS)
-    stop, prompts = asyncio.Event(), []
-    started = time.monotonic()
-    hogs = start_hog(client, model, stop, prompts)
-    await asyncio.sleep(3)  # the hog's prompts wait at its rate
-    _, beside = await light_requests(client, model, LIGHT_REQUESTS)
-    stop.set()
-    await asyncio.gather(*hogs)
-    elapsed = time.monotonic() - started
-    await client.close()
-    return alone, beside, prompts, elapsed
-
-
 def test_long_prompts_go_at_their_users_prompt_rate(tiny_model_path: str) -> None:
     with running_server(tiny_model_path, ARGS) as server:
-        alone, beside, prompts, elapsed = asyncio.run(
-            alone_and_beside(str(server), tiny_model_path)
+        prompts: list[int] = []
+        alone, beside, elapsed = asyncio.run(
+            light_alone_and_beside(
+                str(server),
+                tiny_model_path,
+                lambda client, stop: start_hog(client, tiny_model_path, stop, prompts),
+                LIGHT_REQUESTS,
+            )
         )
     # Every answered prompt was computed in the window, all but its last
     # token as prompt (that one is computed with the first output token).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -86,3 +87,31 @@ def start_hog(
         asyncio.create_task(hog_loop(client, model, stop, prompt_tokens))
         for _ in range(HOG_STREAMS)
     ]
+
+
+# Starts a load's tasks on a client, until the event is set.
+StartLoad = Callable[[AsyncOpenAI, asyncio.Event], list["asyncio.Task[Any]"]]
+
+
+async def light_alone_and_beside(
+    url: str, model: str, start_load: StartLoad, count: int, settle_s: float = 3.0
+) -> tuple[list[float], list[float], float]:
+    """The light user's ``count`` latencies alone (after a warm-up), then
+    beside the load ``start_load`` starts (from ``settle_s`` in, so that the
+    load's requests wait where they will); and the load's seconds from its
+    start to its last answer."""
+    client = AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    await light_requests(client, model, 5)  # warm-up
+    _, alone = await light_requests(client, model, count)
+    stop = asyncio.Event()
+    started = time.monotonic()
+    tasks = start_load(client, stop)
+    await asyncio.sleep(settle_s)
+    _, beside = await light_requests(client, model, count)
+    stop.set()
+    await asyncio.gather(*tasks)
+    elapsed = time.monotonic() - started
+    await client.close()
+    return alone, beside, elapsed

@@ -345,6 +345,16 @@ class SchedulerHarness:
         """Clock readings of every dispatched sampling step of ``user``."""
         return [d.time_ns for d in self.dispatches if d.user == user and d.samples]
 
+    def prompt_token_times(self, user: str) -> list[int]:
+        """When each of ``user``'s prompt tokens was computed (its step's
+        clock): a dispatch's tokens but the sampled one and its drafts."""
+        times = []
+        for d in self.dispatches:
+            if d.user == user:
+                prompt = d.num_tokens - (1 + d.drafts if d.samples else 0)
+                times += [d.time_ns] * prompt
+        return times
+
     def first_token_step(self, request_id: str) -> int | None:
         """The step that sampled the request's first token (None: not yet)."""
         for d in self.dispatches:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from harness.bounds import MS, assert_window_bound
-from harness.scheduler_sim import SchedulerHarness
 from vllm_output_rate.limits_update import PROMPT_OFF
 from vllm_output_rate.validation import OutputRateConfigError
 
@@ -17,15 +16,6 @@ STEP_NS = 10 * MS
 FAR = 1e6  # tok/s: a rate that never binds
 PROMPT_DEFAULT = "default_user_prompt_tokens_per_second"
 PROMPT_USERS = "user_prompt_tokens_per_second"
-
-
-def prompt_token_times(h: SchedulerHarness, user: str) -> list[int]:
-    """When each of ``user``'s prompt tokens was computed (its step's clock)."""
-    times = []
-    for d in h.dispatches:
-        if d.user == user:
-            times += [d.time_ns] * (d.num_tokens - (1 + d.drafts if d.samples else 0))
-    return times
 
 
 def test_a_live_prompt_rate_change_binds_from_the_next_step(limited) -> None:
@@ -36,23 +26,23 @@ def test_a_live_prompt_rate_change_binds_from_the_next_step(limited) -> None:
     for _ in range(5):
         h.step(STEP_NS)
     changed_at = h.clock.now_ns  # the last step before the change ran then
-    before = len(prompt_token_times(h, "hog"))
+    before = len(h.prompt_token_times("hog"))
     assert before >= 5 * 500  # unbound: about a full step of prompt each
     policy.update_limits({PROMPT_USERS: {"hog": 2_000.0}})
     assert policy.limits()[PROMPT_USERS] == {"hog": 2_000.0}
     for _ in range(100):
         h.step(STEP_NS)
-    after = [t for t in prompt_token_times(h, "hog") if t > changed_at]
+    after = [t for t in h.prompt_token_times("hog") if t > changed_at]
     assert_window_bound(after, 2_000.0)  # no burst granted by the change
     assert len(after) >= 2_000 * 0.9  # ~1 s at its new rate
 
     # Removed: back to the default prompt rate, which does not bind.
     policy.update_limits({"remove_users": ["hog"]})
     assert policy.limits()[PROMPT_USERS] == {}
-    done = len(prompt_token_times(h, "hog"))
+    done = len(h.prompt_token_times("hog"))
     for _ in range(20):
         h.step(STEP_NS)
-    assert len(prompt_token_times(h, "hog")) - done >= 20 * 400
+    assert len(h.prompt_token_times("hog")) - done >= 20 * 400
     h.run_until_done(STEP_NS)
 
 

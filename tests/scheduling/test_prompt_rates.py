@@ -13,21 +13,11 @@ from collections import Counter
 import pytest
 
 from harness.bounds import MS, S, assert_window_bound
-from harness.scheduler_sim import SchedulerHarness
 from vllm_output_rate.scheduling.prompt_budget import MIN_PROMPT_CHUNK
 from vllm_output_rate.scheduling.settling import CLEANUP_EVERY_STEPS
 
 STEP_NS = 10 * MS
 FAR = 1e6  # tok/s: an output or prompt rate that never binds
-
-
-def prompt_token_times(h: SchedulerHarness, user: str) -> list[int]:
-    """When each of ``user``'s prompt tokens was computed (its step's clock)."""
-    times = []
-    for d in h.dispatches:
-        if d.user == user:
-            times += [d.time_ns] * (d.num_tokens - (1 + d.drafts if d.samples else 0))
-    return times
 
 
 def test_prompts_far_larger_than_the_burst_progress_at_the_rate(limited) -> None:
@@ -37,7 +27,7 @@ def test_prompts_far_larger_than_the_burst_progress_at_the_rate(limited) -> None
     for _ in range(6):
         h.add("batch", prompt_len=900, max_tokens=4)
     h.run_until_done(STEP_NS)
-    times = prompt_token_times(h, "batch")
+    times = h.prompt_token_times("batch")
     assert len(times) == 6 * 899
     assert_window_bound(times, 2_000.0)
     took_s = (times[-1] - times[0]) / S
@@ -55,7 +45,7 @@ def test_a_rate_whose_burst_is_less_than_a_chunk_still_progresses(limited) -> No
     h = limited(FAR, prompt={"default": 100.0}, max_num_batched_tokens=512)
     h.add("slow", prompt_len=301, max_tokens=2)
     h.run_until_done(STEP_NS)
-    times = prompt_token_times(h, "slow")
+    times = h.prompt_token_times("slow")
     assert len(times) == 300
     assert_window_bound(times, 100.0)
     assert (times[-1] - times[0]) / S == pytest.approx(3.0 - 0.1, abs=0.15)
@@ -78,7 +68,7 @@ def test_the_window_bound_holds_for_every_user(limited, seed: int) -> None:
         h.step(STEP_NS)
     h.run_until_done(STEP_NS)
     for user, rate in {**rates, "d": 3_000.0}.items():
-        times = prompt_token_times(h, user)
+        times = h.prompt_token_times(user)
         if times:
             assert_window_bound(times, rate)
 
@@ -105,7 +95,7 @@ def test_a_user_within_its_prompt_rate_is_not_held_back(limited) -> None:
     # Its prompt in one step and a token a step after it (async: one step
     # more for the output in flight).
     assert max(light_steps) <= 4 + 2, str(light_steps)
-    assert_window_bound(prompt_token_times(h, "hog"), 1_000.0)
+    assert_window_bound(h.prompt_token_times("hog"), 1_000.0)
 
 
 def test_prefix_cache_hits_are_free(limited) -> None:
@@ -113,10 +103,10 @@ def test_prefix_cache_hits_are_free(limited) -> None:
     shared = list(range(1, 481))
     h.add("cached", prompt=shared, max_tokens=2)
     h.run_until_done(STEP_NS)
-    before = Counter(prompt_token_times(h, "cached"))
+    before = Counter(h.prompt_token_times("cached"))
     h.add("cached", prompt=[*shared, 7, 8, 9], max_tokens=2)
     h.run_until_done(STEP_NS)
-    computed = len(prompt_token_times(h, "cached")) - sum(before.values())
+    computed = len(h.prompt_token_times("cached")) - sum(before.values())
     # Only what the cache did not hold is computed, and charged (the
     # fixture's accounting check).
     assert computed < 64, computed
@@ -160,8 +150,8 @@ def test_the_statistics_count_the_prompt_tokens_computed(limited) -> None:
     h.run_until_done(STEP_NS)
     assert h.preemptions > 0
     policy = h.scheduler.output_rate
-    computed = {user: len(prompt_token_times(h, user)) for user in users}
-    u0_times = prompt_token_times(h, "u0")
+    computed = {user: len(h.prompt_token_times(user)) for user in users}
+    u0_times = h.prompt_token_times("u0")
     # u0's rate binds: ~520 tokens at 100 tok/s (the others' prompts take
     # under 2 s).
     assert (u0_times[-1] - u0_times[0]) / S > 4.0

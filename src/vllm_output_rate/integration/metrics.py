@@ -93,31 +93,32 @@ class OutputRateCollector(Collector):
         yield resident
         for key, (name, doc, bounds) in HISTOGRAMS.items():
             yield _histogram(PREFIX + name, doc, bounds, labels, key)
-        limit = GaugeMetricFamily(
-            PREFIX + "limit_tokens_per_second",
+        yield _per_label(
+            "limit_tokens_per_second",
             "Each labelled user's limit (__default__: users without their own)",
-            labels=["user"],
+            self._snapshot["limits"],
         )
-        for label, rate in self._snapshot["limits"].items():
-            limit.add_metric([label], rate)
-        yield limit
         prompt_limits = self._snapshot.get("prompt_limits")
         if prompt_limits is not None:  # prompt-token limits are on
-            prompt_limit = GaugeMetricFamily(
-                PREFIX + "prompt_limit_tokens_per_second",
+            yield _per_label(
+                "prompt_limit_tokens_per_second",
                 "Each labelled user's prompt-token limit (__default__: users "
                 "without their own)",
-                labels=["user"],
+                prompt_limits,
             )
-            for label, rate in prompt_limits.items():
-                prompt_limit.add_metric([label], rate)
-            yield prompt_limit
         shares = self._snapshot.get("fair_shares")
         if shares is not None:
             yield from fair_share_metrics(shares)
         store = self._snapshot.get("store")
         if store is not None:
             yield from store_metrics(store)
+
+
+def _per_label(name: str, doc: str, values: dict[str, float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=["user"])
+    for label, value in values.items():
+        family.add_metric([label], value)
+    return family
 
 
 def _histogram(
