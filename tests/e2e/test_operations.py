@@ -118,6 +118,11 @@ def test_the_admin_endpoint_needs_the_key_and_refuses_bad_input(server) -> None:
         {"default_user_output_tokens_per_second": "fast"},
         {"remove_users": "user-a"},
         {"unknown": 1},
+        # Only the engine knows user-a's limit (60): refused there, whole.
+        {
+            "user_output_tokens_per_second": {"user-c": 10},
+            "user_min_output_tokens_per_second": {"user-a": 100},
+        },
     ):
         response = httpx.put(limits_url, json=bad, headers=ADMIN)
         assert response.status_code == 400, (bad, response.text)

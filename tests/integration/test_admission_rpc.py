@@ -93,3 +93,41 @@ def test_limits_pages_carry_the_caps_of_their_users() -> None:
     assert seen["extra"] == {"a"}  # users with caps of their own are paged
     assert answer["limits"]["user_max_concurrent_requests"] == {"a": 3}
     assert "names" not in answer
+
+
+def test_a_change_only_the_engine_can_check_is_refused_not_raised() -> None:
+    from vllm_output_rate.integration.engine_rpc import REFUSED, output_rate_rpc
+    from vllm_output_rate.validation import OutputRateConfigError
+
+    limiter = OutputRateLimiter(100)
+    core, _ = engine([], limiter)
+    applied: list[Any] = []
+
+    def update_limits(body: dict[str, Any]) -> None:
+        if "user_min_output_tokens_per_second" in body:
+            raise OutputRateConfigError("floor of user 'a' is above its limit")
+        applied.append(body)
+
+    def page(limit: int, after: str | None, extra_users: Any = ()) -> Any:
+        return {"limits": {}, "names": [], "next": None, "total": 0}
+
+    core.scheduler.output_rate = SimpleNamespace(
+        finish_step=lambda: None, update_limits=update_limits, limits_page=page
+    )
+    refused = output_rate_rpc(
+        core,
+        "update",
+        {
+            "body": {"user_min_output_tokens_per_second": {"a": 500}},
+            "page": {"limit": 5},
+        },
+    )
+    # The API server answers HTTP 400 with this; vLLM would make a raise a 500.
+    assert refused == {REFUSED: "floor of user 'a' is above its limit"}
+    assert not applied
+    fine = output_rate_rpc(
+        core,
+        "update",
+        {"body": {"user_output_tokens_per_second": {"a": 5}}, "page": {"limit": 5}},
+    )
+    assert REFUSED not in fine and applied

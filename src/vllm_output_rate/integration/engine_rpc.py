@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_output_rate.integration import admission_rpc
+from vllm_output_rate.validation import OutputRateConfigError
+
+# The key of an "update" answer that refused the change (its reason).
+REFUSED = "refused"
 
 
 def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
@@ -30,7 +34,13 @@ def output_rate_rpc(engine_core: Any, op: str, payload: Any = None) -> Any:
     if op == "limits":
         return admission_rpc.limits_page(engine_core, policy, payload)
     if op == "update":
-        # The change, then the first page of the limits now in force.
-        admission_rpc.update_limits(engine_core, policy, payload["body"])
+        # The change, then the first page of the limits now in force. What
+        # only the engine can check (a floor above its user's limit, prompt
+        # rates while prompt limiting is off) is refused whole: the API
+        # server answers HTTP 400 with the reason.
+        try:
+            admission_rpc.update_limits(engine_core, policy, payload["body"])
+        except OutputRateConfigError as exc:
+            return {REFUSED: str(exc)}
         return admission_rpc.limits_page(engine_core, policy, payload["page"])
     raise ValueError(f"unknown operation {op!r}")

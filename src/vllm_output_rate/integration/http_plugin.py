@@ -46,6 +46,7 @@ from vllm_output_rate.integration.admission_setup import (
     with_rejections,
 )
 from vllm_output_rate.integration.api_validation import guard_engine_client
+from vllm_output_rate.integration.engine_rpc import REFUSED
 from vllm_output_rate.integration.metrics import OutputRateCollector
 from vllm_output_rate.integration.trusted_identity import (
     IdentityMiddleware,
@@ -167,6 +168,8 @@ class OutputRateHttpPlugin:
         except (ValueError, OutputRateConfigError) as exc:
             return _error(400, str(exc))
         answer = await self._call("update", {"body": payload, "page": page})
+        if REFUSED in answer:
+            return _error(400, answer[REFUSED])
         return _limits_response(request, page, answer)
 
 
