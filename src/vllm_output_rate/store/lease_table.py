@@ -11,10 +11,13 @@ these returns the pacer's rate changes (user -> tok/s, None: the default
 rate) and leaves pacing to its caller.
 
 It is pure: no thread, no lock, no clock (every time is passed in as
-``now``), no store. ``leases.LeasedLimiter`` calls it from the scheduler and
-refresher threads under its lock. Why the asks, shares and fallbacks are
-what they are, and the global bound they keep: docs/architecture.md,
-"The shared store".
+``now``), no store. ``leases.LeasedLimiter`` calls its decisions from the
+scheduler and refresher threads under its lock; the pacing calls
+(``lease_pacing.py``) read the blocked users and leases, and write a
+lease's use, from the scheduler thread without it, looking each lease up
+again since a round may have dropped it meanwhile. Why the asks, shares
+and fallbacks are what they are, and the global bound they keep:
+docs/architecture.md, "The shared store".
 """
 
 from __future__ import annotations
