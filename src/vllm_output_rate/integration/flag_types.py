@@ -32,13 +32,6 @@ from vllm_output_rate.validation import (
 T = TypeVar("T")
 
 
-def rate_arg(text: str) -> float:
-    try:
-        return validate_rate(float(text), DEFAULT_FLAG)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def config_arg(parse: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse ``type`` from a parser that raises OutputRateConfigError
     (argparse then names the flag and exits with the message)."""
@@ -62,11 +55,22 @@ weights_arg = parsed_with(parse_user_weights, WEIGHTS_FLAG)
 floors_arg = parsed_with(parse_user_rates, FLOORS_FLAG)
 
 
-def capacity_arg(text: str) -> float:
-    try:
-        return validate_rate(float(text), CAPACITY_FLAG)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def rate_arg_for(flag: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a rate in tokens per second: a finite
+    number > 0 (errors name ``flag`` and the text)."""
+
+    def parse(text: str) -> float:
+        try:
+            value: object = float(text)
+        except ValueError:
+            value = text  # validate_rate refuses it, naming the text
+        return validate_rate(value, flag)
+
+    return config_arg(parse)
+
+
+rate_arg = rate_arg_for(DEFAULT_FLAG)
+capacity_arg = rate_arg_for(CAPACITY_FLAG)
 
 
 metrics_users_arg = parsed_with(parse_metrics_users, METRICS_USERS_FLAG)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from vllm_output_rate.config import DEFAULT_FLAG, OutputRateSettings, file_prompt_rates
 from vllm_output_rate.integration.cli_flags import plugin_group
-from vllm_output_rate.integration.flag_types import config_arg
+from vllm_output_rate.integration.flag_types import parsed_with, rate_arg_for
 from vllm_output_rate.prompt_limits import (
     DEFAULT_PROMPT_FLAG,
     PROMPT_USERS_FLAG,
@@ -22,16 +22,7 @@ from vllm_output_rate.prompt_limits import (
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     parse_user_rates,
-    validate_rate,
 )
-
-
-def _rate(text: str) -> float:
-    try:
-        value: object = float(text)
-    except ValueError:
-        value = text
-    return validate_rate(value, DEFAULT_PROMPT_FLAG)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +32,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group = plugin_group(parser)
     group.add_argument(
         DEFAULT_PROMPT_FLAG,
-        type=config_arg(_rate),
+        type=rate_arg_for(DEFAULT_PROMPT_FLAG),
         default=None,
         metavar="TOK_PER_S",
         help="Prompt tokens each user may have computed per second (prefill and "
@@ -50,7 +41,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         PROMPT_USERS_FLAG,
-        type=config_arg(lambda text: parse_user_rates(text, PROMPT_USERS_FLAG)),
+        type=parsed_with(parse_user_rates, PROMPT_USERS_FLAG),
         default=None,
         metavar="JSON",
         help="Per-user prompt-token rates, e.g. '{\"batch\": 2000}'.",
