@@ -67,18 +67,23 @@ def settle(policy: OutputRatePolicy, step: Step) -> None:
     policy.note_step_time(now_ns)
     policy.user_last_served.update(dict.fromkeys(served, step.number))
     received = accounting.received(served)
-    _count_fair_shares(policy, step, output, received, now_ns)
+    # With prompt rates on, the step's prompt tokens per user, counted once
+    # for the prompt budget, the statistics and the fair-share counters.
+    computed = (
+        None
+        if step.prompt is None
+        else computed_prompt_tokens(output.num_scheduled_tokens, host.requests)
+    )
+    _count_fair_shares(policy, step, output, received, now_ns, computed)
     if policy.dispatch_log:
         accounting.log(policy.dispatch_log, step.budget.taken_ns, served)
     if accounting.wants_grants():
         accounting.note_grants(step.number, now_ns, step.budget.kept(undispatched))
     policy.wakeup_ns = step.budget.settle(undispatched)
     policy.prompt_held = False
-    if step.prompt is not None:
+    if step.prompt is not None and computed is not None:
         policy.prompt_held = bool(step.prompt.budget.refused_users)
-        # Every chunk counts: one cut to a single prompt token too. Counted
-        # only here: with prompt rates off, a step computes nothing more.
-        computed = computed_prompt_tokens(output.num_scheduled_tokens, host.requests)
+        # Every chunk counts: one cut to a single prompt token too.
         ready_ns = step.prompt.settle(computed)
         if computed:
             policy.stats.record_prompt_tokens(now_ns, computed)
@@ -141,6 +146,7 @@ def _count_fair_shares(
     output: SchedulerOutput,
     received: Mapping[str, int],
     now_ns: int,
+    computed: Mapping[str, int] | None,
 ) -> None:
     """In a step that left someone waiting, charge its service to the users'
     virtual counters and raise the level to the least-served backlogged
@@ -164,20 +170,25 @@ def _count_fair_shares(
     policy.fair_growth = 0.0
     if backlogged:
         level = fair.level
-        grown = fair.charge(received, _prompt_tokens(policy, output))
+        grown = fair.charge(received, _prompt_tokens(policy, output, computed))
         fair.backlogged(backlogged, step.budget.refused_users)
         policy.fair_growth = max(grown, fair.level - level)
     fair.credit_floors(now_ns, policy.demand.unfinished, received)
 
 
 def _prompt_tokens(
-    policy: OutputRatePolicy, output: SchedulerOutput
+    policy: OutputRatePolicy,
+    output: SchedulerOutput,
+    computed: Mapping[str, int] | None,
 ) -> Mapping[str, int]:
     """Prompt tokens computed in the step per user, for the fair-share
     counters: none in a step of one token per request plus its drafts
-    (plain or speculative decoding, ``policy.prefilled`` false): O(1)."""
+    (plain or speculative decoding, ``policy.prefilled`` false): O(1);
+    ``computed`` when settling counted them already."""
     if not policy.prefilled:
         return NOTHING
+    if computed is not None:
+        return computed
     return computed_prompt_tokens(output.num_scheduled_tokens, policy.host.requests)
 
 
