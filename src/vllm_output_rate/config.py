@@ -253,18 +253,16 @@ def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
 
 def load_fair_shares(path: str | Path) -> tuple[dict[str, float], dict[str, float]]:
     """The weights and floors of a limits file (reloaded with its limits)."""
-    where = f"{FILE_FLAG} {path}"
-    content = _read_limits_file(path)
+    return _fair_shares_in(_read_limits_file(path), f"{FILE_FLAG} {path}")
+
+
+def _fair_shares_in(
+    content: Mapping[str, Any], where: str
+) -> tuple[dict[str, float], dict[str, float]]:
     return (
         parse_user_weights(content.get(WEIGHTS_KEY) or {}, f"{where}: {WEIGHTS_KEY}"),
         parse_user_rates(content.get(FLOORS_KEY) or {}, f"{where}: {FLOORS_KEY}"),
     )
-
-
-def load_prompt_rates(path: str | Path) -> tuple[float | None, dict[str, float]]:
-    """The prompt-token rates of a limits file: its default (None when
-    absent) and its users' (reloaded with its limits)."""
-    return prompt_rates_in(_read_limits_file(path), f"{FILE_FLAG} {path}")
 
 
 def load_store_settings(path: str | Path) -> StoreSettings | None:
@@ -285,8 +283,12 @@ def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
     It may also hold the ``store_*`` settings (see ``store/settings.py``),
     which are read at start-up and not reloaded.
     """
-    where = f"{FILE_FLAG} {path}"
-    content = _read_limits_file(path)
+    return _limits_in(_read_limits_file(path), f"{FILE_FLAG} {path}")
+
+
+def _limits_in(
+    content: Mapping[str, Any], where: str
+) -> tuple[float | None, dict[str, float]]:
     default = content.get(DEFAULT_KEY)
     return (
         None if default is None else validate_rate(default, f"{where}: {DEFAULT_KEY}"),
@@ -296,7 +298,31 @@ def load_limits_file(path: str | Path) -> tuple[float | None, dict[str, float]]:
 
 def file_prompt_rates(config_file: str | None) -> Rates:
     """A limits file's prompt rates (none without a file)."""
-    return load_prompt_rates(config_file) if config_file else NO_RATES
+    if not config_file:
+        return NO_RATES
+    return prompt_rates_in(_read_limits_file(config_file), f"{FILE_FLAG} {config_file}")
+
+
+@dataclass(frozen=True)
+class FileLimits:
+    """What a limits file states that is reloaded while the server runs."""
+
+    default: float | None
+    users: dict[str, float]
+    weights: dict[str, float]
+    floors: dict[str, float]
+    prompt: Rates
+
+
+def read_file_limits(path: str | Path) -> FileLimits:
+    """All of it from one read of the file, so that a file written
+    meanwhile is never half applied; raises OutputRateConfigError."""
+    content, where = _read_limits_file(path), f"{FILE_FLAG} {path}"
+    return FileLimits(
+        *_limits_in(content, where),
+        *_fair_shares_in(content, where),
+        prompt_rates_in(content, where),
+    )
 
 
 def merge_settings(
@@ -338,7 +364,7 @@ def merge_settings(
         raise OutputRateConfigError(
             f"{WEIGHTS_FLAG}, {FLOORS_FLAG} and {CAPACITY_FLAG} need {DEFAULT_FLAG}"
         )
-    elif config_file and any(load_prompt_rates(config_file)):
+    elif any(file_prompt_rates(config_file)):
         raise OutputRateConfigError(
             f"{FILE_FLAG} {config_file}: prompt-token rates need {DEFAULT_FLAG}"
         )

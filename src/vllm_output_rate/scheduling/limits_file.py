@@ -16,11 +16,7 @@ import time
 from collections.abc import Callable
 
 from vllm_output_rate.budget import Budget
-from vllm_output_rate.config import (
-    load_fair_shares,
-    load_limits_file,
-    load_prompt_rates,
-)
+from vllm_output_rate.config import FileLimits, read_file_limits
 from vllm_output_rate.fair_settings import check_floors
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.validation import OutputRateConfigError
@@ -42,16 +38,10 @@ class LimitsFileWatcher:
         self._clock = clock
         self._next_check = clock() + CHECK_INTERVAL_S
         self._mtime = self._read_mtime()
-        _, users = self._load() or (None, {})
-        self._file_users = set(users)
-        self._file_prompt_users: set[str] = set()
-        self._fair_users: set[str] = set()
-        try:
-            weights, floors = load_fair_shares(path)
-            self._fair_users = set(weights) | set(floors)
-            self._file_prompt_users = set(load_prompt_rates(path)[1])
-        except OutputRateConfigError:
-            pass  # reported by _load
+        loaded = self._load()
+        self._file_users = set(loaded.users) if loaded else set()
+        self._fair_users = set(loaded.weights) | set(loaded.floors) if loaded else set()
+        self._file_prompt_users = set(loaded.prompt[1]) if loaded else set()
 
     def _read_mtime(self) -> float | None:
         try:
@@ -59,9 +49,9 @@ class LimitsFileWatcher:
         except OSError:
             return None
 
-    def _load(self) -> tuple[float | None, dict[str, float]] | None:
+    def _load(self) -> FileLimits | None:
         try:
-            return load_limits_file(self._path)
+            return read_file_limits(self._path)
         except OutputRateConfigError as exc:
             self._on_error(f"limits file not reloaded: {exc}")
             return None
@@ -86,10 +76,10 @@ class LimitsFileWatcher:
         loaded = self._load()
         if loaded is None:
             return False
-        default, users = loaded
+        default, users = loaded.default, loaded.users
+        weights, floors = loaded.weights, loaded.floors
+        prompt_default, prompt_users = loaded.prompt
         try:
-            weights, floors = load_fair_shares(self._path)
-            prompt_default, prompt_users = load_prompt_rates(self._path)
             if prompt_limiter is None and (prompt_default is not None or prompt_users):
                 raise OutputRateConfigError(
                     "it states prompt-token rates, and prompt limiting is off (it "
