@@ -24,7 +24,12 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from harness.prefill_load import light_alone_and_beside, user
+from harness.prefill_load import (
+    ENGINE_ARGS,
+    hog_prompt_rate_args,
+    light_alone_and_beside,
+    user,
+)
 from vllm_output_rate.demo.server import running_server
 from vllm_output_rate.demo.tiny_model import build_tiny_model
 
@@ -35,23 +40,13 @@ HOG_RATE = 2_000.0  # prompt tokens per second
 HOG_STREAMS = 8
 IMAGES = 6
 IMAGE_TOKENS = 64 + 3  # tiny_vision: image_seq_len and the wrapper tokens
-STEP_TOKENS = 512
+STEP_TOKENS = int(ENGINE_ARGS[ENGINE_ARGS.index("--max-num-batched-tokens") + 1])
 ARGS = [
-    "--max-model-len",
-    "2048",
-    "--max-num-seqs",
-    "64",
-    "--max-num-batched-tokens",
-    str(STEP_TOKENS),
+    *ENGINE_ARGS,
     "--no-enable-prefix-caching",
     "--limit-mm-per-prompt",
     f'{{"image": {IMAGES}}}',
-    "--default-user-output-tokens-per-second",
-    "100000",
-    "--default-user-prompt-tokens-per-second",
-    "1000000",
-    "--user-prompt-tokens-per-second",
-    f'{{"hog": {HOG_RATE}}}',
+    *hog_prompt_rate_args(HOG_RATE),
 ]
 ENV = {
     "VLLM_PLUGINS": "output_rate,output_rate_http",

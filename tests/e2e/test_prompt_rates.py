@@ -19,22 +19,18 @@ import statistics
 
 import pytest
 
-from harness.prefill_load import ENGINE_ARGS, light_alone_and_beside, start_hog
+from harness.prefill_load import (
+    ENGINE_ARGS,
+    hog_prompt_rate_args,
+    light_alone_and_beside,
+    start_hog,
+)
 from vllm_output_rate.demo.server import running_server
 
 pytestmark = pytest.mark.e2e
 
 HOG_RATE = 3_000.0  # prompt tokens per second
-ARGS = [
-    *ENGINE_ARGS,
-    "--no-enable-prefix-caching",
-    "--default-user-output-tokens-per-second",
-    "100000",
-    "--default-user-prompt-tokens-per-second",
-    "1000000",
-    "--user-prompt-tokens-per-second",
-    f'{{"hog": {HOG_RATE}}}',
-]
+ARGS = [*ENGINE_ARGS, "--no-enable-prefix-caching", *hog_prompt_rate_args(HOG_RATE)]
 LIGHT_REQUESTS = 20
 BURST_S = 0.1
 # Two steps of a few tokens each, and the HTTP front end's noise.

@@ -21,6 +21,20 @@ ENGINE_ARGS = (
     "--max-num-batched-tokens",
     "512",
 )
+
+
+# Output and prompt rates far above demand, but the hog's prompt rate.
+def hog_prompt_rate_args(rate: float) -> list[str]:
+    return [
+        "--default-user-output-tokens-per-second",
+        "100000",
+        "--default-user-prompt-tokens-per-second",
+        "1000000",
+        "--user-prompt-tokens-per-second",
+        f'{{"hog": {rate}}}',
+    ]
+
+
 HOG_STREAMS = 16
 HOG_WORDS = 300  # about 1,400 prompt tokens on the tiny model
 # Random words, so that the prefix cache cannot help the hog.
