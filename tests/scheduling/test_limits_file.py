@@ -103,6 +103,15 @@ def test_prompt_rates_reload_with_the_limits(tmp_path) -> None:
     assert prompt.user_rates == {"hog": 100, "flag-user": 50}
     assert limiter.user_rates == {}  # output limits untouched by prompt rates
 
+    # A bad prompt rate: nothing of the file applies, the error names it.
+    write(limits, "default_user_output_tokens_per_second: 50\n"
+          "user_prompt_tokens_per_second: {hog: -1}\n", 3_000)  # fmt: skip
+    clock.now = 3.0
+    assert not watcher.poll(limiter, None, prompt)
+    (error,) = errors
+    assert "user_prompt_tokens_per_second" in error and "-1" in error
+    assert limiter.default_rate == 100 and prompt.user_rates["hog"] == 100
+
 
 def test_prompt_rates_while_prompt_limiting_is_off_change_nothing(tmp_path) -> None:
     limits = tmp_path / "limits.yaml"
