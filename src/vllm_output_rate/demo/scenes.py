@@ -129,10 +129,13 @@ SCENES: tuple[Scene, ...] = (
         # A KV cache of 40 blocks of 32 tokens: room for about 13 of the
         # hog's requests (~100 tokens each, the prompt's first block shared).
         # Resident slots are plenty (vLLM's default): KV blocks run out.
+        # 48 streams, not 24: with 24, a run in CI had most of the hog's
+        # requests between streams (client, HTTP) rather than waiting at the
+        # engine, and stock left the light user unhurt; 48 keep ~30 waiting.
         server_args=("--block-size", "32", "--num-gpu-blocks-override", "40"),
         users=(
             LIGHT,
-            DemoUser("hog", "throttled", streams=24, max_tokens=40, limit=5),
+            DemoUser("hog", "throttled", streams=48, max_tokens=40, limit=5),
         ),
     ),
     Scene(
