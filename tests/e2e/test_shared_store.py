@@ -44,6 +44,7 @@ pytestmark = pytest.mark.e2e
 S = 1_000_000_000
 LIMIT = 40.0  # the shared user
 OTHER = 30.0  # users on one server only: "witness-a" on a, "other" on b
+PROMPT_RATE = 1e6  # prompt tokens a second: never binds
 STALL_GAP_S = 0.2  # a gap this long in a 30 tok/s user's tokens: a stall
 ADMIN_KEY = "e2e-admin"
 # u's first requests reaching the engines later than this: a late run.
@@ -65,6 +66,8 @@ def servers(tiny_model_path: str, store: RedisServer):
         "--user-output-tokens-per-second",
         json.dumps({"u": LIMIT, "other": OTHER, "witness-a": OTHER}),
         "--output-rate-store", store.url,
+        # Prompt rates far above demand: their budget is leased too.
+        "--default-user-prompt-tokens-per-second", str(PROMPT_RATE),
         # Two engines, the store and the clients share 2 cores here: store
         # rounds took up to 0.23 s in CI, next to the 0.25 s default timeout,
         # and a round that times out pauses the shared user (a blip the
@@ -91,7 +94,9 @@ def servers(tiny_model_path: str, store: RedisServer):
         ) as b,
     ):  # fmt: skip
         for url in (a, b):
-            assert "Output rate limits shared through" in url.log_text()
+            log = url.log_text()
+            assert "output-token limits shared through" in log
+            assert "prompt-token limits shared through" in log
         yield (a, b), logs
 
 
@@ -286,22 +291,30 @@ def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
 ) -> None:
     (a, b), _ = servers
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    body = {"user_output_tokens_per_second": {"late-user": 12.5}}
+    body = {
+        "user_output_tokens_per_second": {"late-user": 12.5},
+        "user_prompt_tokens_per_second": {"late-user": 700},
+    }
     response = httpx.put(f"{a}/v1/output_rate/limits", json=body, headers=headers)
     assert response.status_code == 200, response.text
     changed = time.monotonic()
     while time.monotonic() - changed < 1.0:
         limits = httpx.get(f"{b}/v1/output_rate/limits", headers=headers).json()
-        if limits["user_output_tokens_per_second"].get("late-user") == 12.5:
+        if (
+            limits["user_output_tokens_per_second"].get("late-user") == 12.5
+            and limits["user_prompt_tokens_per_second"].get("late-user") == 700
+        ):
             break
         time.sleep(0.05)
     else:
         raise AssertionError(f"b did not see the change within 1 s: {limits}")
     stats = httpx.get(f"{b}/v1/output_rate/stats", headers=headers).json()
-    assert stats["store"]["engines_seen"] == 2 and not stats["store"]["degraded"]
+    for budget in ("store", "prompt_store"):
+        assert stats[budget]["engines_seen"] == 2 and not stats[budget]["degraded"]
     metrics = httpx.get(f"{b}/metrics").text
-    assert "vllm:output_rate_store_round_trip_seconds_count" in metrics
-    assert "vllm:output_rate_store_failing_seconds_total" in metrics
+    for budget in ("store", "prompt_store"):
+        assert f"vllm:output_rate_{budget}_round_trip_seconds_count" in metrics
+        assert f"vllm:output_rate_{budget}_failing_seconds_total" in metrics
 
 
 def test_both_servers_keep_serving_while_the_store_is_down(
@@ -433,7 +446,7 @@ def test_data_parallel_ranks_share_one_budget(
     ]  # fmt: skip
     with running_server(tiny_model_path, args) as url:
         log = url.log_text()
-        assert log.count("Output rate limits shared through") == 2, log[-3000:]
+        assert log.count("output-token limits shared through") == 2, log[-3000:]
         spec = LoadSpec(
             url,
             tiny_model_path,

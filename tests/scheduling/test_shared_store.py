@@ -17,6 +17,7 @@ import pytest
 from harness.bounds import assert_window_bound
 from harness.counting_limiter import CountingLimiter
 from harness.scheduler_sim import FakeClock, SchedulerHarness, make_scheduler
+from vllm_output_rate.store.engine import prompt_store_settings
 from vllm_output_rate.store.leases import LeasedLimiter
 from vllm_output_rate.store.redis_store import RedisLeaseStore
 from vllm_output_rate.store.refresher import Refresher
@@ -25,6 +26,8 @@ from vllm_output_rate.store.settings import StoreSettings
 MS = 1_000_000
 S = 1_000_000_000
 LIMIT = 100.0
+PROMPT_LIMIT = 2_000.0  # prompt tokens computed per second
+FAR = 1e6  # an output rate that never binds
 
 
 def leased_scheduler(
@@ -85,6 +88,75 @@ def test_two_ranks_share_one_users_limit_3_to_1(
         refresher.store.close()
 
 
+def prompt_leased_scheduler(
+    model: str, url: str, prefix: str, clock: FakeClock, is_async: bool
+):
+    """A rank whose prompt-token budget is leased from the store (under its
+    own keys, as the scheduler does with a store and prompt rates)."""
+    harness = make_scheduler(
+        model,
+        limits={
+            "default_user_output_tokens_per_second": FAR,
+            "default_user_prompt_tokens_per_second": PROMPT_LIMIT,
+        },
+        is_async=is_async,
+        clock=clock,
+        max_num_batched_tokens=512,
+    )
+    settings = prompt_store_settings(StoreSettings(url=url, key_prefix=prefix))
+    limiter = LeasedLimiter(PROMPT_LIMIT, {}, settings, clock=clock, lend_unused=False)
+    limiter.pacer = CountingLimiter(PROMPT_LIMIT, clock=clock)
+    harness.scheduler.output_rate.use_prompt_limiter(limiter)
+    refresher = Refresher(limiter, RedisLeaseStore(settings), f"rank-{id(harness)}")
+    return harness, limiter, refresher
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_two_ranks_share_one_users_prompt_limit(
+    tiny_model_path, redis_server, store_prefix, is_async
+) -> None:
+    clock = FakeClock(1_000 * S)
+    ranks = [
+        prompt_leased_scheduler(
+            tiny_model_path, redis_server.url, store_prefix, clock, is_async
+        )
+        for _ in range(2)
+    ]
+    (a, _, _), (b, _, _) = ranks
+    # ~7,200 prompt tokens of hog's on the two ranks: ~3.6 s at its limit.
+    for _ in range(6):
+        a.add("hog", prompt_len=900, max_tokens=2)
+    for _ in range(2):
+        b.add("hog", prompt_len=900, max_tokens=2)
+    b.add("light", prompt_len=900, max_tokens=2)  # its own limit, one rank
+    for step in range(600):  # 6 s of 10 ms steps
+        clock.advance(10 * MS)
+        if step % 10 == 0:
+            for _, _, refresher in ranks:
+                refresher.run_once(now_us=clock.now_ns // 1000)
+        for harness, _, _ in ranks:
+            harness.step()
+    hog = sorted(a.prompt_token_times("hog") + b.prompt_token_times("hog"))
+    assert len(hog) == 8 * 899  # every prompt computed, none cut
+    assert_window_bound(hog, PROMPT_LIMIT, engines=2)
+    # Both ranks together at about the one limit, not twice it.
+    took_s = (hog[-1] - hog[0]) / S
+    # (Slower by the store's lag: a rank's new share waits until the share
+    # another rank gave up is no longer counted, a grace of ~0.45 s.)
+    assert len(hog) / PROMPT_LIMIT - 0.2 <= took_s <= len(hog) / PROMPT_LIMIT + 0.8
+    # light, on one rank only, had its whole limit: done in ~0.45 s.
+    light = b.prompt_token_times("light")
+    assert len(light) == 899
+    assert (light[-1] - light[0]) / S <= 899 / PROMPT_LIMIT + 0.2
+    for harness, limiter, refresher in ranks:
+        harness.drain()
+        computed = Counter()
+        for user in ("hog", "light"):
+            computed[user] = len(harness.prompt_token_times(user))
+        assert +limiter.pacer.net == +computed  # charged == computed
+        refresher.store.close()
+
+
 def test_our_scheduler_starts_and_stops_its_refresher(
     tiny_model_path, redis_server, store_prefix
 ) -> None:
@@ -109,5 +181,45 @@ def test_our_scheduler_starts_and_stops_its_refresher(
     assert policy.limiter.lease_rate("u") == 40.0
     assert policy.metrics_snapshot()["store"]["leases"] == 1
     assert policy.users_snapshot(10)["store"]["leases"] == 1
+    harness.scheduler.shutdown()
+    assert not policy.on_close
+
+
+def test_with_prompt_rates_the_scheduler_leases_both_budgets(
+    tiny_model_path, redis_server, store_prefix
+) -> None:
+    """Prompt rates and a store: the prompt budget is leased too, under its
+    own keys, reported apart, and shutdown() stops both refreshers."""
+    harness = make_scheduler(
+        tiny_model_path,
+        limits={
+            "default_user_output_tokens_per_second": 40.0,
+            "default_user_prompt_tokens_per_second": 3_000.0,
+            "store_url": redis_server.url,
+            "store_key_prefix": store_prefix,
+        },
+    )
+    policy = harness.scheduler.output_rate
+    prompt = policy.prompt_limiter
+    assert isinstance(policy.limiter, LeasedLimiter)
+    assert isinstance(prompt, LeasedLimiter)
+    assert prompt.settings.key_prefix == store_prefix + ":prompt"
+    assert len(policy.on_close) == 2
+    harness.add("u", prompt_len=600, max_tokens=1000)
+    deadline = time.monotonic() + 5
+    while prompt.lease_rate("u") is None and time.monotonic() < deadline:
+        harness.step()
+        time.sleep(0.01)
+    assert prompt.lease_rate("u") == 3_000.0
+    assert policy.limiter.lease_rate("u") == 40.0
+    snapshot = policy.metrics_snapshot()
+    assert snapshot["prompt_store"]["leases"] == 1
+    assert snapshot["store"]["leases"] == 1
+    # Each budget's limits under its own keys.
+    client = RedisLeaseStore(prompt.settings)
+    try:
+        assert client.read_limits().default_rate == 3_000.0
+    finally:
+        client.close()
     harness.scheduler.shutdown()
     assert not policy.on_close

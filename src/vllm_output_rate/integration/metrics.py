@@ -109,9 +109,10 @@ class OutputRateCollector(Collector):
         shares = self._snapshot.get("fair_shares")
         if shares is not None:
             yield from fair_share_metrics(shares)
-        store = self._snapshot.get("store")
-        if store is not None:
-            yield from store_metrics(store)
+        for key in ("store", "prompt_store"):
+            store = self._snapshot.get(key)
+            if store is not None:
+                yield from store_metrics(store, key + "_")
 
 
 def _per_label(name: str, doc: str, values: dict[str, float]) -> GaugeMetricFamily:
@@ -170,8 +171,10 @@ def fair_share_metrics(shares: dict[str, dict[str, float]]) -> Iterator[Any]:
     yield below
 
 
-def store_metrics(store: dict[str, Any]) -> Iterator[Any]:
-    """The shared store's lease state (only when a store is configured)."""
+def store_metrics(store: dict[str, Any], name: str = "store_") -> Iterator[Any]:
+    """The shared store's lease state of one budget (only when a store is
+    configured): ``store_*`` for output tokens, ``prompt_store_*`` for
+    prompt tokens."""
     gauges = {
         "degraded": "1 while this engine serves without the store (fallback)",
         "engines_seen": "Engines sharing the store at the last round trip",
@@ -180,7 +183,7 @@ def store_metrics(store: dict[str, Any]) -> Iterator[Any]:
         "blocked_users": "Users with demand waiting for a share of their limit",
     }
     for key, doc in gauges.items():
-        yield GaugeMetricFamily(PREFIX + "store_" + key, doc, value=float(store[key]))
+        yield GaugeMetricFamily(PREFIX + name + key, doc, value=float(store[key]))
     counters = {
         "exchanges": "Store round trips that succeeded",
         "failures": "Store round trips that failed (unreachable, too slow)",
@@ -189,21 +192,21 @@ def store_metrics(store: dict[str, Any]) -> Iterator[Any]:
         "returns": "Leases lowered or given back",
     }
     for key, doc in counters.items():
-        yield CounterMetricFamily(PREFIX + "store_" + key, doc, value=store[key])
+        yield CounterMetricFamily(PREFIX + name + key, doc, value=store[key])
     yield CounterMetricFamily(
-        PREFIX + "store_failing_seconds",
+        PREFIX + name + "failing_seconds",
         "Seconds shared and new users waited because store rounds failed "
         "(from a failed round to the next answer or to the fallback)",
         value=store["failing_s"],
     )
     yield SummaryMetricFamily(
-        PREFIX + "store_round_trip_seconds",
+        PREFIX + name + "round_trip_seconds",
         "Time of a successful store round trip, seen from the engine",
         count_value=store["exchanges"],
         sum_value=store["rtt_sum_s"],
     )
     yield GaugeMetricFamily(
-        PREFIX + "store_round_trip_max_seconds",
+        PREFIX + name + "round_trip_max_seconds",
         "Longest successful store round trip so far",
         value=store["rtt_max_s"],
     )

@@ -14,7 +14,7 @@ scheduler, ``output_rate``. The overrides only forward:
   step's ``on_chunk`` and ``admit_waiting``;
 * ``update_from_output``: the accounting counts what each request received
   (never the limiter); ``add_request`` tags a request with its user;
-  ``shutdown`` stops a shared store's refresher.
+  ``shutdown`` stops a shared store's refreshers.
 
 Every entry point settles the last step first, so no vLLM code sees the
 scheduler between a step and its settling (docs/architecture.md, "Shortcuts").
@@ -39,7 +39,8 @@ from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
 from vllm_output_rate.seams import HOOK
 from vllm_output_rate.seams_check import check_host
-from vllm_output_rate.store.engine import start_leasing
+from vllm_output_rate.store.engine import prompt_store_settings, start_leasing
+from vllm_output_rate.store.settings import StoreSettings
 from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
@@ -49,6 +50,39 @@ else:
 
 # Under the "vllm" logger so that vLLM's logging configuration shows it.
 logger = init_logger("vllm.output_rate")
+
+
+def share_limits(
+    policy: OutputRatePolicy,
+    settings: OutputRateSettings,
+    store: StoreSettings,
+    vllm_config: VllmConfig,
+) -> None:
+    """Lease every budget from the shared store: output tokens and, when
+    set, prompt tokens (under keys of their own)."""
+    parallel = vllm_config.parallel_config
+    placement = {
+        "data_parallel_rank": parallel.data_parallel_rank,
+        "data_parallel_size": parallel.data_parallel_size,
+        "logger": logger,
+    }
+    limiter, refresher = start_leasing(
+        settings.default_rate, settings.user_rates, store, **placement
+    )
+    policy.use_limiter(limiter)
+    policy.on_close.append(refresher.stop)
+    if (prompt := settings.prompt_limits) is not None:
+        limiter, refresher = start_leasing(
+            prompt.default_rate,
+            prompt.user_rates,
+            prompt_store_settings(store),
+            budget="prompt",
+            # Prompt work comes in bursts: an engine keeps its share.
+            lend_unused=False,
+            **placement,
+        )
+        policy.use_prompt_limiter(limiter)
+        policy.on_close.append(refresher.stop)
 
 
 class OutputRateMixin(_Host):
@@ -100,15 +134,7 @@ class OutputRateMixin(_Host):
         # vLLM's own hook, bound once: a shortcut's stand-in for ours.
         self.output_rate.vllm_lookahead = super()._reserve_prefill_lookahead
         if settings.store is not None:
-            parallel = vllm_config.parallel_config
-            limiter, refresher = start_leasing(
-                settings,
-                data_parallel_rank=parallel.data_parallel_rank,
-                data_parallel_size=parallel.data_parallel_size,
-                logger=logger,
-            )
-            self.output_rate.use_limiter(limiter)
-            self.output_rate.on_close.append(refresher.stop)
+            share_limits(self.output_rate, settings, settings.store, vllm_config)
         logger.info(
             "Per-user output rate limiting on: default %s tok/s, %d user "
             "override(s), --max-num-seqs %d, --max-num-active-seqs %d",
@@ -119,8 +145,7 @@ class OutputRateMixin(_Host):
         )
         if settings.prompt_limits is not None:
             logger.info(
-                "Per-user prompt-token rates on (this engine's own): default %s "
-                "tok/s, %d user override(s)",
+                "Per-user prompt-token rates on: default %s tok/s, %d user override(s)",
                 settings.prompt_limits.default_rate,
                 len(settings.prompt_limits.user_rates),
             )

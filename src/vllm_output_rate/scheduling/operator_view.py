@@ -68,8 +68,10 @@ class OperatorView:
         ``after``; with the cursor of the next page (None at the end), the
         page's names and the number of such users. A page is a valid body
         for a change."""
-        self.limiter.apply_pending()  # an idle engine takes no steps
         limiter, fair, prompt = self.limiter, self.fair, self.prompt_limiter
+        for budget in (limiter, prompt):
+            if budget is not None:
+                budget.apply_pending()  # an idle engine takes no steps
         rates, weights, floors = limiter.user_rates, fair.weights, fair.floors
         prompt_rates = prompt.user_rates if prompt is not None else {}
         names = sorted(
@@ -192,9 +194,16 @@ class OperatorView:
         return self._with_store(page)
 
     def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
-        """``snapshot`` plus the shared store's state, when there is one."""
-        self.limiter.apply_pending()  # an idle engine takes no steps
-        store = self.limiter.store_snapshot()
-        if store is not None:
-            snapshot["store"] = store
+        """``snapshot`` plus the shared store's state, when there is one
+        (``prompt_store``: the prompt-token budget's leases)."""
+        for key, budget in (
+            ("store", self.limiter),
+            ("prompt_store", self.prompt_limiter),
+        ):
+            if budget is None:
+                continue
+            budget.apply_pending()  # an idle engine takes no steps
+            store = budget.store_snapshot()
+            if store is not None:
+                snapshot[key] = store
         return snapshot

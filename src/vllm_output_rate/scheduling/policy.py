@@ -104,11 +104,11 @@ class OutputRatePolicy(OperatorView):
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         # Prompt tokens computed per user (prompt_budget.py), when limited.
         prompt = settings.prompt_limits
-        self.prompt_limiter: Budget | None = (
-            OutputRateLimiter(prompt.default_rate, prompt.user_rates)
-            if prompt is not None
-            else None
-        )
+        self.prompt_limiter: Budget | None = None
+        if prompt is not None:
+            self.use_prompt_limiter(
+                OutputRateLimiter(prompt.default_rate, prompt.user_rates)
+            )
         self.demand = Demand()
         # Weights and floors: who is owed service when the engine is full.
         self.fair = FairShare(settings.user_weights, settings.user_floors)
@@ -156,6 +156,12 @@ class OutputRatePolicy(OperatorView):
         host = self.host
         limiter.attach(lambda: bool(host.requests))
 
+    def use_prompt_limiter(self, limiter: Budget) -> None:
+        """Account prompt tokens against ``limiter`` from the next step on."""
+        self.prompt_limiter = limiter
+        host = self.host
+        limiter.attach(lambda: bool(host.requests))
+
     def close(self) -> None:
         for callback in self.on_close:
             callback()
@@ -193,6 +199,12 @@ class OutputRatePolicy(OperatorView):
         self.accounting.give_back(self.limiter, self._logger)
         unfinished = self.demand.count_unfinished(host.finished_req_ids, host.requests)
         self.limiter.between_steps(unfinished, self.demand.generation)
+        if self.prompt_limiter is not None:
+            # Prompt leases follow the same requests as output ones: a share
+            # steady while a user has requests here (a share given back and
+            # asked for again waits out the store's grace period), and an
+            # engine that computes none of it reports that it uses little.
+            self.prompt_limiter.between_steps(unfinished, self.demand.generation)
         budget = StepBudget(
             self.limiter,
             self.accounting.demand(unfinished, self.demand.changes),

@@ -165,6 +165,6 @@ class PromptStep:
         limiter = self.limiter
         return min(
             limiter.ready_at_ns(user)
-            + int((self.wanted.get(user, 1) - 1) * 1e9 / limiter.rate_of(user))
+            + int(max(self.wanted.get(user, 1) - 1, 0) * 1e9 / limiter.rate_of(user))
             for user in budget.refused_users
         )

@@ -6,9 +6,10 @@ The one place that chooses the store's implementation (Redis/Valkey,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 
-from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.store.leases import LeasedLimiter
 from vllm_output_rate.store.messages import LeaseStore
 from vllm_output_rate.store.redis_store import RedisLeaseStore
@@ -21,27 +22,44 @@ def open_store(settings: StoreSettings) -> LeaseStore:
     return RedisLeaseStore(settings)
 
 
+# Prompt-token limits are a second budget under their own keys
+# (``<prefix>:prompt``), leased and refreshed like the output ones.
+PROMPT_KEYS_SUFFIX = ":prompt"
+
+
+def prompt_store_settings(settings: StoreSettings) -> StoreSettings:
+    """Where the prompt-token budget lives in the store ``settings`` name."""
+    return dataclasses.replace(
+        settings, key_prefix=settings.key_prefix + PROMPT_KEYS_SUFFIX
+    )
+
+
 def start_leasing(
-    settings: OutputRateSettings,
+    default_rate: float,
+    user_rates: Mapping[str, float],
+    store_settings: StoreSettings,
     *,
     data_parallel_rank: int,
     data_parallel_size: int,
     logger: logging.Logger,
+    budget: str = "output",
+    lend_unused: bool = True,
 ) -> tuple[LeasedLimiter, Refresher]:
-    """A leased limiter for ``settings`` (which name a store) and its
-    running refresher. The first round runs before this returns, so an
-    engine that reaches the store starts with its limits; one that does not
-    starts serving at its fallback share (the start-up check in the API
-    server has already refused that when the store is required)."""
-    store_settings = settings.store
-    assert store_settings is not None
+    """A leased limiter of one budget (``budget``: which, for the log) at
+    these limits, and its running refresher (``lend_unused``:
+    ``lease_table.LeaseTable``). The first round runs before
+    this returns, so an engine that reaches the store starts with its
+    limits; one that does not starts serving at its fallback share (the
+    start-up check in the API server has already refused that when the
+    store is required)."""
     limiter = LeasedLimiter(
-        settings.default_rate,
-        settings.user_rates,
+        default_rate,
+        user_rates,
         store_settings,
         # Before it has seen the store, an engine knows at least its DP peers.
         engines_hint=data_parallel_size,
         logger=logger,
+        lend_unused=lend_unused,
     )
     refresher = Refresher(
         limiter,
@@ -52,8 +70,11 @@ def start_leasing(
     refresher.run_once()
     refresher.start()
     logger.info(
-        "Output rate limits shared through %s as engine %s (lease %g s, refresh %g s)",
+        "Per-user %s-token limits shared through %s (keys {%s}) as engine %s "
+        "(lease %g s, refresh %g s)",
+        budget,
         store_settings.display_url,
+        store_settings.key_prefix,
         refresher.engine,
         store_settings.lease_s,
         store_settings.refresh_s,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.store.lease import NS, Lease
-from vllm_output_rate.store.messages import Exchange, LeaseAsk, Round
+from vllm_output_rate.store.messages import UNBOUNDED, Exchange, LeaseAsk, Round
 from vllm_output_rate.store.resume import ResumeCaps
 from vllm_output_rate.store.settings import StoreSettings
 
@@ -83,8 +83,14 @@ class LeaseTable:
         *,
         engines_hint: int,
         now_ns: int,
+        lend_unused: bool = True,
     ) -> None:
         self.settings = settings
+        # Whether a shared user's share this engine leaves unused goes to
+        # the engines that need it (each ask reports what it used). For a
+        # steady use (output tokens); bursts (prompt tokens) would wait a
+        # grace period for their share back, so they keep it.
+        self.lend_unused = lend_unused
         self.default_rate = default_rate
         self.user_rates = user_rates
         self.limits_version = 0
@@ -171,7 +177,8 @@ class LeaseTable:
             if weight is None:
                 self._schedule(user, lease, self.refresh_ns, now)
                 continue  # idle for a moment: ask nothing, keep the share
-            asks[user] = LeaseAsk(user, weight, lease.report_want(now, weight))
+            want = lease.report_want(now, weight) if self.lend_unused else UNBOUNDED
+            asks[user] = LeaseAsk(user, weight, want)
             lease.weight = weight
             if weight == 0:
                 # Given back: not used from now on (the user has no demand).

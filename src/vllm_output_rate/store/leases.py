@@ -64,6 +64,7 @@ class LeasedLimiter(LeasePacing):
         burst_ns: int = DEFAULT_BURST_NS,
         clock: Callable[[], int] = time.monotonic_ns,
         logger: logging.Logger | None = None,
+        lend_unused: bool = True,
     ) -> None:
         self.settings = settings
         self.pacer = OutputRateLimiter(default_rate, burst_ns=burst_ns, clock=clock)
@@ -78,6 +79,7 @@ class LeasedLimiter(LeasePacing):
             },
             engines_hint=engines_hint,
             now_ns=clock(),
+            lend_unused=lend_unused,
         )
         self.grace_us = round(
             (settings.timeout_s + STEP_SLACK_S) * 1e6 + burst_ns / 1000
