@@ -28,6 +28,11 @@ from vllm_output_rate.fair_settings import (
     check_floors,
     parse_user_weights,
 )
+from vllm_output_rate.metrics_settings import (
+    DEFAULT_METRICS_RECENT_USERS,
+    parse_metrics_users,
+    validate_recent_users,
+)
 from vllm_output_rate.prompt_limits import (
     NO_RATES,
     PROMPT_KEYS,
@@ -37,14 +42,13 @@ from vllm_output_rate.prompt_limits import (
     prompt_rates_in,
 )
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
+from vllm_output_rate.teams import TEAMS_KEY, Teams, check_team_floors, parse_teams
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
     parse_user_rates,
-    parsed_json,
     validate_rate,
     validate_switch,
-    validate_user_name,
 )
 
 # The key under vLLM's `additional_config` that carries our settings.
@@ -65,38 +69,8 @@ METRICS_RECENT_KEY = "metrics_recent_users"
 SHORTCUTS_KEY = "shortcuts"
 # false: vLLM sizes every prefill chunk (scheduling/token_shares.py).
 FAIR_STEP_TOKENS_KEY = "fair_step_tokens"
-# How many users with recent traffic get their own metrics label by default
-# (besides the listed ones, __anonymous__ and __other__).
-DEFAULT_METRICS_RECENT_USERS = 100
-MAX_METRICS_RECENT_USERS = 10_000
 # Requests that do not name a user share this budget.
 ANONYMOUS_USER = "__anonymous__"
-
-
-def parse_metrics_users(value: object, where: str) -> tuple[str, ...]:
-    """A JSON list (or its text) of user names that always get a label."""
-    value = parsed_json(value, where)
-    if not isinstance(value, (list, tuple)):
-        raise OutputRateConfigError(
-            f"{where}: expected a JSON list of user names, got {value!r}"
-        )
-    return tuple(dict.fromkeys(validate_user_name(user, where) for user in value))
-
-
-def validate_recent_users(value: object, where: str) -> int:
-    """How many recently active users get their own label (0 to 10,000)."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not 0 <= value <= MAX_METRICS_RECENT_USERS
-    ):
-        raise OutputRateConfigError(
-            f"{where} must be a whole number from 0 to {MAX_METRICS_RECENT_USERS:,}, "
-            f"got {value!r}"
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -121,6 +95,8 @@ class OutputRateSettings:
     fair_step_tokens: bool = True
     # Prompt tokens computed per second, per user (None: not limited).
     prompt_limits: PromptLimits | None = None
+    # Teams over users: each team's limit and members (None: no teams).
+    teams: Teams | None = None
 
     def ceiling_of(self, user: str) -> float:
         return self.user_rates.get(user, self.default_rate)
@@ -139,6 +115,7 @@ class OutputRateSettings:
             SHORTCUTS_KEY: self.shortcuts,
             FAIR_STEP_TOKENS_KEY: self.fair_step_tokens,
             **(self.prompt_limits.to_config() if self.prompt_limits else {}),
+            **(self.teams.to_config() if self.teams else {}),
             **(self.store.to_config() if self.store else {}),
         }
 
@@ -163,6 +140,7 @@ class OutputRateSettings:
                 SHORTCUTS_KEY,
                 FAIR_STEP_TOKENS_KEY,
                 *PROMPT_KEYS,
+                TEAMS_KEY,
                 *STORE_KEYS,
                 *ADMISSION_KEYS,  # read by integration/admission_rpc.py
             ),
@@ -185,13 +163,16 @@ class OutputRateSettings:
             fair_source=where,
         )
         if settings is None:
-            if any(section.get(key) is not None for key in PROMPT_KEYS):
+            if any(section.get(key) is not None for key in (*PROMPT_KEYS, TEAMS_KEY)):
                 raise OutputRateConfigError(
-                    f"{where}: prompt-token rates need {DEFAULT_KEY!r} too"
+                    f"{where}: prompt-token rates and teams need {DEFAULT_KEY!r} too"
                 )
             return None
+        teams = parse_teams(section.get(TEAMS_KEY), f"{where}[{TEAMS_KEY!r}]")
+        check_team_floors(teams, settings.user_floors)
         return replace(
             settings,
+            teams=teams,
             shortcuts=switches[SHORTCUTS_KEY],
             fair_step_tokens=switches[FAIR_STEP_TOKENS_KEY],
             prompt_limits=prompt_limits_from(

@@ -30,11 +30,18 @@ pytestmark = pytest.mark.e2e
 
 LIMITS = {"user-a": 20, "user-b": 60, "slow": 25, "fast": 5000}
 DEFAULT_LIMIT = 30
+# A team over two users, each at the default limit: 40 tok/s together.
+CREW_LIMIT = 40
+CREW = {
+    "crew": {"output_tokens_per_second": CREW_LIMIT, "members": ["crew-1", "crew-2"]}
+}
 LIMIT_ARGS = [
     "--default-user-output-tokens-per-second",
     str(DEFAULT_LIMIT),
     "--user-output-tokens-per-second",
     json.dumps(LIMITS),
+    "--output-rate-teams",
+    json.dumps(CREW),
     "--max-num-seqs",
     "32",
     "--max-num-active-seqs",
@@ -108,6 +115,29 @@ def test_each_user_gets_its_limit_and_no_more(limited_server, model_name) -> Non
     assert_limited(result, "user-b", 60)  # not slowed down by user-a
     # Requests without a user share one anonymous budget.
     assert_limited(result, None, DEFAULT_LIMIT)
+
+
+def test_a_teams_members_share_its_limit(limited_server, model_name) -> None:
+    result = load(
+        limited_server,
+        model_name,
+        [UserLoad("crew-1", 2, DEFAULT_LIMIT), UserLoad("crew-2", 2, DEFAULT_LIMIT)],
+        max_tokens=40,
+        duration_s=6,
+    )
+    members = [result.user(u) for u in ("crew-1", "crew-2")]
+    records = [r for r in result.records if r.user in ("crew-1", "crew-2")]
+    first_sent = min(r.start_s for r in records)
+    last_token = max(t for r in records for t, _ in r.chunks)
+    window = last_token - first_sent
+    tokens = sum(m.tokens_client for m in members)
+    # (W + 0.1) x team limit + 1 for both together, W from the first request
+    # sent to the last token; each member well under its own 30 tok/s.
+    assert tokens <= (window + 0.1) * CREW_LIMIT + 1, (window, members)
+    assert tokens / window >= 0.85 * CREW_LIMIT, (window, members)
+    for member in members:
+        assert member.bound_ok, member
+        assert member.rate_tok_s == pytest.approx(CREW_LIMIT / 2, rel=0.3), members
 
 
 def test_a_fast_user_runs_at_full_speed_beside_throttled_ones(

@@ -11,7 +11,6 @@ from vllm_output_rate.config import (
     API_KEYS_FLAG,
     DEFAULT_FLAG,
     DEFAULT_KEY,
-    DEFAULT_METRICS_RECENT_USERS,
     FILE_FLAG,
     METRICS_RECENT_FLAG,
     METRICS_USERS_FLAG,
@@ -36,6 +35,7 @@ from vllm_output_rate.integration.flag_types import (
     users_arg,
     weights_arg,
 )
+from vllm_output_rate.metrics_settings import DEFAULT_METRICS_RECENT_USERS
 from vllm_output_rate.store.settings import (
     FALLBACK_FLAG,
     FALLBACK_KEY,

@@ -13,8 +13,6 @@ from vllm_output_rate.config import (
     METRICS_RECENT_FLAG,
     METRICS_USERS_FLAG,
     USERS_FLAG,
-    parse_metrics_users,
-    validate_recent_users,
 )
 from vllm_output_rate.fair_settings import (
     CAPACITY_FLAG,
@@ -22,6 +20,7 @@ from vllm_output_rate.fair_settings import (
     WEIGHTS_FLAG,
     parse_user_weights,
 )
+from vllm_output_rate.metrics_settings import parse_metrics_users, validate_recent_users
 from vllm_output_rate.store.settings import FALLBACK_FLAG, check_store_url, redact_url
 from vllm_output_rate.validation import (
     OutputRateConfigError,

@@ -24,6 +24,7 @@ from vllm_output_rate.integration import (
     engine_rpc,
     identity_flags,
     prompt_flags,
+    team_flags,
 )
 from vllm_output_rate.integration.compat import check_vllm_version
 from vllm_output_rate.integration.engine_setup import apply_output_rate
@@ -66,14 +67,18 @@ def install() -> None:
             admission_flags.add_flags(parser)
             identity_flags.add_flags(parser)
             prompt_flags.add_flags(parser)
+            team_flags.add_flags(parser)
             return parser
 
         return wrapper
 
     def from_cli_args(original: _Fn) -> _Fn:
         def wrapper(cls: Any, args: Any) -> Any:
-            settings = prompt_flags.with_prompt_flags(
-                args, cli_flags.settings_from_namespace(args)
+            settings = team_flags.with_team_flags(
+                args,
+                prompt_flags.with_prompt_flags(
+                    args, cli_flags.settings_from_namespace(args)
+                ),
             )
             additional = getattr(args, "additional_config", None) or {}
             limiting = settings is not None or "output_rate" in additional

@@ -51,6 +51,7 @@ from vllm_output_rate.scheduling.shortcuts import layers_for
 from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step import Step, StepMode, StepRules
 from vllm_output_rate.scheduling.step_budget import StepBudget
+from vllm_output_rate.team_budget import TeamBudget
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -101,6 +102,7 @@ class OutputRatePolicy(OperatorView):
         self.shortcuts = layers_for(settings.shortcuts, logger)
         # A fair share of each step's tokens when users' work exceeds them.
         self.share_step_tokens = settings.fair_step_tokens and chunked_prefill
+        self.teams = settings.teams
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         # Prompt tokens computed per user (prompt_budget.py), when limited.
         prompt = settings.prompt_limits
@@ -147,7 +149,10 @@ class OutputRatePolicy(OperatorView):
         self.on_close: list[Callable[[], None]] = []
 
     def use_limiter(self, limiter: Budget) -> None:
-        """Account against ``limiter`` from the next step on."""
+        """Account against ``limiter`` from the next step on (and against
+        each member's team's budget, with teams)."""
+        if self.teams is not None:
+            limiter = TeamBudget(limiter, self.teams)
         self.limiter = limiter
         # No user can sample more tokens than requests are scheduled.
         self._max_tokens_per_step = (

@@ -1,0 +1,226 @@
+"""Two budgets per request: its user's and its team's (no vLLM import).
+
+``TeamBudget`` is the policy's ``budget.Budget`` when teams are configured
+(``teams.py``): it stands in front of the users' budget (the embedded
+limiter, or the shared store's) and keeps one GCRA limiter of its own, keyed
+by team, at each team's limit. The policy sees one budget per user, as
+without teams:
+
+* ``take_many``: the users' budget grants first; the members' grants of each
+  team are then taken from the team's limiter in one call, and when the team
+  grants less, its tokens go to the members that got fewest so far (one at a
+  time, so that members of a team alternate step after step) and the rest
+  goes back to the users' budget. A token is granted only when both allow
+  it, so each budget's bound holds for it alone: a team's members receive
+  at most ``(W + 0.1) x limit + 1`` tokens together in any W seconds.
+* refunds go to both; a late refund (speculative decoding's drafts that a
+  later report rejects) goes to the user only: the team's later takes are
+  not known here, so the team stays charged, never under.
+* what a user may take at once or when it may take again is the stricter
+  of the two.
+
+Users in no team go straight to the users' budget, so with no team among
+a step's users it costs one set intersection more than without teams.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Iterable, KeysView, Mapping
+from typing import Any
+
+from vllm_output_rate.budget import Budget
+from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.teams import Teams
+
+
+class TeamBudget:
+    """A user's budget and its team's, as one ``Budget``."""
+
+    def __init__(
+        self,
+        users: Budget,
+        teams: Teams,
+        *,
+        team_limiter: OutputRateLimiter | None = None,
+    ) -> None:
+        self.users = users
+        self.team_of = dict(teams.team_of)
+        self.team_rates = dict(teams.rates)
+        # Keyed by team name; no default rate is ever used (every team has
+        # its own), so the first team's stands in for it.
+        self.teams = team_limiter or OutputRateLimiter(
+            next(iter(teams.rates.values()), 1.0),
+            teams.rates,
+            burst_ns=users.burst_ns,
+            clock=users.now_ns,
+        )
+        # Tokens granted per member while its team was short (fair turns).
+        self.served: Counter[str] = Counter()
+
+    # ----- what the policy reads ------------------------------------------
+
+    @property
+    def burst_ns(self) -> int:
+        return self.users.burst_ns
+
+    @property
+    def default_rate(self) -> float:
+        return self.users.default_rate
+
+    @property
+    def user_rates(self) -> dict[str, float]:
+        return self.users.user_rates
+
+    @property
+    def last_take_ns(self) -> int:
+        return self.users.last_take_ns
+
+    def now_ns(self) -> int:
+        return self.users.now_ns()
+
+    def rate_of(self, user: str) -> float:
+        rate = self.users.rate_of(user)
+        team = self.team_of.get(user)
+        return rate if team is None else min(rate, self.team_rates[team])
+
+    def team_rate(self, team: str) -> float | None:
+        return self.team_rates.get(team)
+
+    # ----- taking and giving back ----------------------------------------
+
+    def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]:
+        got = self.users.take_many(wanted)
+        team_of = self.team_of
+        if team_of.keys().isdisjoint(got):
+            return got
+        by_team: dict[str, list[str]] = {}
+        asked: Counter[str] = Counter()
+        for user, count in got.items():
+            team = team_of.get(user)
+            if team is not None and count > 0:
+                by_team.setdefault(team, []).append(user)
+                asked[team] += count
+        if not asked:
+            return got
+        granted = self.teams.take_many(asked)
+        unused: dict[str, int] = {}
+        for team, members in by_team.items():
+            if granted[team] < asked[team]:
+                self._divide(granted[team], members, got, unused)
+        if unused:
+            self.users.refund_many(unused)
+        return got
+
+    def _divide(
+        self,
+        tokens: int,
+        members: list[str],
+        got: dict[str, int],
+        unused: dict[str, int],
+    ) -> None:
+        """Give ``tokens`` of a team to its ``members`` one at a time, each to
+        the member served least so far among those that still want one;
+        what a member got from its own budget beyond that is ``unused``."""
+        served = self.served
+        # A member back after a pause is at most one round of turns behind,
+        # not owed every turn it missed.
+        behind = max(served[user] for user in members) - len(members)
+        for user in members:
+            if served[user] < behind:
+                served[user] = behind
+        wants = {user: got[user] for user in members}
+        kept = dict.fromkeys(members, 0)
+        heap = [(served[user], user) for user in members]
+        heapq.heapify(heap)
+        while tokens and heap:
+            count, user = heapq.heappop(heap)
+            kept[user] += 1
+            served[user] += 1
+            tokens -= 1
+            if kept[user] < wants[user]:
+                heapq.heappush(heap, (count + 1, user))
+        for user in members:
+            if kept[user] < wants[user]:
+                unused[user] = wants[user] - kept[user]
+                got[user] = kept[user]
+
+    def take_up_to(self, user: str, wanted: int) -> int:
+        return self.take_many({user: wanted})[user]
+
+    def refund(self, user: str, count: int = 1) -> None:
+        self.users.refund(user, count)
+        team = self.team_of.get(user)
+        if team is not None:
+            self.teams.refund(team, count)
+
+    def refund_many(self, counts: Mapping[str, int]) -> None:
+        self.users.refund_many(counts)
+        team_of = self.team_of
+        if team_of.keys().isdisjoint(counts):
+            return
+        by_team: Counter[str] = Counter()
+        for user, count in counts.items():
+            team = team_of.get(user)
+            if team is not None:
+                by_team[team] += count
+        self.teams.refund_many(by_team)
+
+    def refunds_absorbed(self, users: KeysView[str]) -> bool:
+        if not self.users.refunds_absorbed(users):
+            return False
+        team_of = self.team_of
+        teams = {team_of[user] for user in users if user in team_of}
+        return not teams or self.teams.refunds_absorbed(dict.fromkeys(teams).keys())
+
+    def refund_late(
+        self, user: str, count: int, later_takes: Iterable[tuple[int, int]] = ()
+    ) -> None:
+        # The team keeps the charge: its later takes (every member's) are
+        # not known here, and giving back without them could over-refund.
+        self.users.refund_late(user, count, later_takes)
+
+    # ----- limits ----------------------------------------------------------
+
+    def tokens_within(self, user: str, window_ns: int) -> int:
+        within = self.users.tokens_within(user, window_ns)
+        team = self.team_of.get(user)
+        if team is None:
+            return within
+        return min(within, self.teams.tokens_within(team, window_ns))
+
+    def ready_at_ns(self, user: str) -> int:
+        ready = self.users.ready_at_ns(user)
+        team = self.team_of.get(user)
+        if team is None:
+            return ready
+        return max(ready, self.teams.ready_at_ns(team))
+
+    def cleanup_idle_users(self) -> int:
+        return self.users.cleanup_idle_users() + self.teams.cleanup_idle_users()
+
+    def update_rates(
+        self,
+        *,
+        default_rate: float | None = None,
+        user_rates: Mapping[str, float] | None = None,
+        remove_users: Iterable[str] = (),
+    ) -> None:
+        self.users.update_rates(
+            default_rate=default_rate, user_rates=user_rates, remove_users=remove_users
+        )
+
+    # ----- the shared store's hooks: the users' budget's ---------------------
+
+    def attach(self, has_requests: Callable[[], bool]) -> None:
+        self.users.attach(has_requests)
+
+    def between_steps(self, demand: Mapping[str, int], generation: object) -> None:
+        self.users.between_steps(demand, generation)
+
+    def apply_pending(self) -> None:
+        self.users.apply_pending()
+
+    def store_snapshot(self) -> dict[str, Any] | None:
+        return self.users.store_snapshot()

@@ -1,0 +1,126 @@
+"""Teams over users: the settings (no vLLM import).
+
+A team has members and an output-token limit of its own, in tokens per
+second, paced like a user's (GCRA, 100 ms burst). A member is charged to its
+own budget and to its team's: a token is sampled only when both allow it
+(``team_budget.py``). A user belongs to at most one team; a user in no team
+behaves exactly as without teams.
+
+The key sits beside the limits in ``additional_config['output_rate']``, and
+the flag ``--output-rate-teams`` (the same JSON) wins over it::
+
+    {"teams": {"research": {"output_tokens_per_second": 100,
+                            "members": ["alice", "bob"]}}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_output_rate.validation import (
+    OutputRateConfigError,
+    parsed_json,
+    validate_rate,
+    validate_user_name,
+)
+
+TEAMS_KEY = "teams"
+TEAMS_FLAG = "--output-rate-teams"
+TEAM_RATE_KEY = "output_tokens_per_second"
+MEMBERS_KEY = "members"
+TEAM_KEYS = (TEAM_RATE_KEY, MEMBERS_KEY)
+# More teams or members than this is a configuration mistake, not a use.
+MAX_TEAMS = 100_000
+MAX_MEMBERS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Teams:
+    """Each team's limit (tok/s) and each member's team."""
+
+    rates: Mapping[str, float] = field(default_factory=dict)
+    team_of: Mapping[str, str] = field(default_factory=dict)
+
+    def members(self, team: str) -> list[str]:
+        return sorted(user for user, of in self.team_of.items() if of == team)
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``teams`` key of ``additional_config['output_rate']``."""
+        return {
+            TEAMS_KEY: {
+                team: {TEAM_RATE_KEY: rate, MEMBERS_KEY: self.members(team)}
+                for team, rate in self.rates.items()
+            }
+        }
+
+
+def parse_teams(value: object, where: str) -> Teams | None:
+    """The teams ``value`` states, checked whole (None: no teams)."""
+    value = parsed_json(value, where)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise OutputRateConfigError(
+            f"{where}: expected an object of teams, e.g. "
+            '{"research": {"output_tokens_per_second": 100, "members": ["alice"]}}, '
+            f"got {type(value).__name__}"
+        )
+    if len(value) > MAX_TEAMS:
+        raise OutputRateConfigError(f"{where}: more than {MAX_TEAMS:,} teams")
+    rates: dict[str, float] = {}
+    team_of: dict[str, str] = {}
+    for name, team in value.items():
+        team_name = validate_user_name(name, f"{where}: team name")
+        at = f"{where}[{name!r}]"
+        if not isinstance(team, Mapping):
+            raise OutputRateConfigError(
+                f"{at}: expected an object with {TEAM_RATE_KEY!r} and {MEMBERS_KEY!r}"
+            )
+        unknown = sorted(set(team) - set(TEAM_KEYS))
+        if unknown:
+            raise OutputRateConfigError(
+                f"{at}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"a team has {TEAM_RATE_KEY!r} and {MEMBERS_KEY!r}"
+            )
+        if TEAM_RATE_KEY not in team:
+            raise OutputRateConfigError(f"{at}: {TEAM_RATE_KEY!r} is missing")
+        rates[team_name] = validate_rate(
+            team[TEAM_RATE_KEY], f"{at}[{TEAM_RATE_KEY!r}]"
+        )
+        members = team.get(MEMBERS_KEY, [])
+        if not isinstance(members, list):
+            raise OutputRateConfigError(
+                f"{at}[{MEMBERS_KEY!r}]: expected a list of user names"
+            )
+        for member in members:
+            user = validate_user_name(member, f"{at}[{MEMBERS_KEY!r}]: member")
+            other = team_of.get(user)
+            if other is not None:
+                raise OutputRateConfigError(
+                    f"{at}: user {user!r} is already a member of team {other!r}; "
+                    "a user belongs to at most one team"
+                )
+            team_of[user] = team_name
+        if len(team_of) > MAX_MEMBERS:
+            raise OutputRateConfigError(f"{where}: more than {MAX_MEMBERS:,} members")
+    return Teams(rates, team_of)
+
+
+def check_team_floors(teams: Teams | None, floors: Mapping[str, float]) -> None:
+    """A team's limit must hold its members' floors (tok/s each is promised
+    whatever else runs): refused otherwise."""
+    if teams is None:
+        return
+    promised: dict[str, float] = {}
+    for user, floor in floors.items():
+        team = teams.team_of.get(user)
+        if team is not None:
+            promised[team] = promised.get(team, 0.0) + floor
+    for team, total in sorted(promised.items()):
+        if total > teams.rates[team]:
+            raise OutputRateConfigError(
+                f"team {team!r}: its members' floors add up to {total:g} tok/s, "
+                f"above the team's limit of {teams.rates[team]:g} tok/s"
+            )

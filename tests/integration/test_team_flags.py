@@ -1,0 +1,114 @@
+"""Teams from vLLM's own parser and from ``additional_config``: good values
+reach the engine's settings, bad ones are refused at start-up naming the
+option and the value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from harness.vllm_cli import parse_engine_args, vllm_parser
+from vllm_output_rate.config import OutputRateSettings
+from vllm_output_rate.teams import TEAMS_FLAG, Teams, parse_teams
+from vllm_output_rate.validation import OutputRateConfigError
+
+FLAG = "--default-user-output-tokens-per-second"
+RESEARCH = {"research": {"output_tokens_per_second": 100, "members": ["a", "b"]}}
+
+
+@pytest.fixture(scope="module")
+def parser() -> FlexibleArgumentParser:
+    return vllm_parser()
+
+
+def teams_of(parser, model: str, *argv: str) -> Teams | None:
+    _, config = parse_engine_args(parser, model, *argv)
+    settings = OutputRateSettings.from_additional_config(config.additional_config)
+    assert settings is not None
+    return settings.teams
+
+
+def test_the_flag_reaches_the_engines_settings(parser, tiny_model_path: str) -> None:
+    teams = teams_of(
+        parser, tiny_model_path, FLAG, "10", TEAMS_FLAG, json.dumps(RESEARCH)
+    )
+    assert teams == Teams({"research": 100.0}, {"a": "research", "b": "research"})
+    assert teams_of(parser, tiny_model_path, FLAG, "10") is None
+
+
+def test_the_flag_wins_over_additional_config(parser, tiny_model_path: str) -> None:
+    section = {
+        "default_user_output_tokens_per_second": 10,
+        "teams": {"old": {"output_tokens_per_second": 5, "members": ["a"]}},
+    }
+    config = json.dumps({"output_rate": section})
+    assert teams_of(parser, tiny_model_path, "--additional-config", config) == Teams(
+        {"old": 5.0}, {"a": "old"}
+    )
+    teams = teams_of(
+        parser,
+        tiny_model_path,
+        "--additional-config",
+        config,
+        TEAMS_FLAG,
+        json.dumps(RESEARCH),
+    )
+    assert teams is not None and set(teams.rates) == {"research"}
+
+
+def test_teams_need_output_limiting(parser, tiny_model_path: str) -> None:
+    with pytest.raises(OutputRateConfigError, match=f"{TEAMS_FLAG} needs {FLAG}"):
+        parse_engine_args(parser, tiny_model_path, TEAMS_FLAG, json.dumps(RESEARCH))
+    config = {"output_rate": {"teams": RESEARCH}}
+    with pytest.raises(OutputRateConfigError, match="teams need"):
+        OutputRateSettings.from_additional_config(config)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[1, 2]", "expected an object of teams"),
+        ('{"t": 5}', "expected an object with"),
+        ('{"t": {"members": ["a"]}}', "'output_tokens_per_second' is missing"),
+        ('{"t": {"output_tokens_per_second": 0}}', "finite number > 0"),
+        ('{"t": {"output_tokens_per_second": 5, "members": "a"}}', "list of user"),
+        ('{"t": {"output_tokens_per_second": 5, "weight": 2}}', "unknown key"),
+        ('{"t": {"output_tokens_per_second": 5, "members": ["a\\u0007"]}}', "control"),
+        ('{"": {"output_tokens_per_second": 5}}', "must not be empty"),
+        (
+            '{"x": {"output_tokens_per_second": 5, "members": ["a"]},'
+            ' "y": {"output_tokens_per_second": 5, "members": ["a"]}}',
+            "already a member of team 'x'",
+        ),
+        ("{not json", "JSON"),
+    ],
+)
+def test_bad_teams_are_refused_naming_the_option(value: str, message: str) -> None:
+    with pytest.raises(OutputRateConfigError, match=message) as refused:
+        parse_teams(value, TEAMS_FLAG)
+    assert TEAMS_FLAG in str(refused.value)
+
+
+def test_a_name_of_10_kb_is_refused() -> None:
+    value = {"t": {"output_tokens_per_second": 5, "members": ["u" * 10_000]}}
+    with pytest.raises(OutputRateConfigError, match="the limit is 256"):
+        parse_teams(value, TEAMS_FLAG)
+
+
+def test_a_team_limit_below_its_members_floors_is_refused(
+    parser, tiny_model_path: str
+) -> None:
+    floors = json.dumps({"a": 60, "b": 50})
+    with pytest.raises(OutputRateConfigError, match="above the team's limit"):
+        parse_engine_args(
+            parser,
+            tiny_model_path,
+            FLAG,
+            "1000",
+            "--user-min-output-tokens-per-second",
+            floors,
+            TEAMS_FLAG,
+            json.dumps(RESEARCH),
+        )

@@ -1,0 +1,85 @@
+"""Teams over users (``team_budget.py``) on vLLM's real scheduler, sync and
+async, with a fake clock: the team's bound over its members together, each
+member's own bound, turns within a team, users in no team left alone, and
+the accounting invariant for users and teams (checked by ``limited``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.bounds import MS, S, assert_window_bound
+from vllm_output_rate.team_budget import TeamBudget
+
+STEP_NS = 10 * MS
+SECONDS = 10
+
+
+def team(rate: float, *members: str) -> dict[str, object]:
+    return {"output_tokens_per_second": rate, "members": list(members)}
+
+
+def run(h, seconds: float = SECONDS) -> None:
+    for _ in range(round(seconds * S / STEP_NS)):
+        h.step(STEP_NS)
+
+
+def test_four_members_share_their_teams_limit(limited) -> None:
+    # Each member's own limit (100) is the team's: only the team binds.
+    members = ("a", "b", "c", "d")
+    h = limited(100.0, teams={"research": team(100.0, *members)})
+    assert isinstance(h.scheduler.output_rate.limiter, TeamBudget)
+    for user in members:
+        for _ in range(2):
+            h.add(user, max_tokens=10_000)
+    run(h)
+    together = sorted(t for user in members for t in h.sampled_at(user))
+    assert_window_bound(together, 100.0)
+    assert 0.98 * 100 * SECONDS <= len(together) <= 100 * SECONDS + 11
+    # Turns: each member about a quarter of it.
+    for user in members:
+        assert len(h.sampled_at(user)) == pytest.approx(25 * SECONDS, rel=0.05)
+
+
+def test_a_member_is_held_to_its_own_limit_too(limited) -> None:
+    # The team allows 100; slow's own limit is 10, so fast gets the rest.
+    h = limited(1_000.0, {"slow": 10.0}, teams={"t": team(100.0, "slow", "fast")})
+    for user in ("slow", "fast"):
+        for _ in range(3):
+            h.add(user, max_tokens=10_000)
+    run(h)
+    slow, fast = h.sampled_at("slow"), h.sampled_at("fast")
+    assert_window_bound(slow, 10.0)
+    assert_window_bound(sorted(slow + fast), 100.0)
+    assert len(slow) >= 0.98 * 10 * SECONDS
+    assert len(fast) >= 0.97 * 90 * SECONDS
+
+
+def test_users_in_no_team_keep_their_own_limit(limited) -> None:
+    h = limited(50.0, teams={"t": team(20.0, "member")})
+    h.add("member", max_tokens=10_000)
+    h.add("member", max_tokens=10_000)
+    h.add("loner", max_tokens=10_000)
+    run(h)
+    assert_window_bound(h.sampled_at("member"), 20.0)
+    assert len(h.sampled_at("member")) >= 0.98 * 20 * SECONDS
+    assert len(h.sampled_at("loner")) >= 0.98 * 50 * SECONDS
+
+
+def test_two_teams_are_apart(limited) -> None:
+    h = limited(
+        1_000.0, teams={"x": team(30.0, "x1", "x2"), "y": team(60.0, "y1", "y2")}
+    )
+    for user in ("x1", "x2", "y1", "y2"):
+        h.add(user, max_tokens=10_000)
+    run(h)
+    x = sorted(h.sampled_at("x1") + h.sampled_at("x2"))
+    y = sorted(h.sampled_at("y1") + h.sampled_at("y2"))
+    assert_window_bound(x, 30.0)
+    assert_window_bound(y, 60.0)
+    assert len(x) >= 0.98 * 30 * SECONDS
+    assert len(y) >= 0.98 * 60 * SECONDS
+
+
+def test_without_teams_the_budget_is_the_users_alone(limited) -> None:
+    h = limited(100.0)
+    assert not isinstance(h.scheduler.output_rate.limiter, TeamBudget)
