@@ -125,18 +125,25 @@ def servers(model: str, quick: bool, work_dir: Path) -> dict[str, Any]:
     return results
 
 
-def _keep_prefilling(h: Any, seen: set[str]) -> None:
+def _distinct_prompt(rng: random.Random) -> list[int]:
+    """A prompt no other request shares a block of: the prefix cache finds
+    nothing (the harness's default prompts repeat every 400 requests, and a
+    cached one finishes at once)."""
+    return [rng.randrange(10, 400) for _ in range(COST_PROMPT)]
+
+
+def _keep_prefilling(h: Any, seen: set[str], rng: random.Random) -> None:
     """Replace every finished request with a new one of its user."""
     for request_id in [r for r in h.finished if r not in seen]:
         seen.add(request_id)
-        h.add(h.users[request_id], prompt_len=COST_PROMPT, max_tokens=1)
+        h.add(h.users[request_id], prompt=_distinct_prompt(rng), max_tokens=1)
 
 
 def step_cost(model: str, rounds: int) -> dict[str, Any]:
     from harness.scheduler_sim import make_scheduler
 
     limits: dict[str, Any] = {"default_user_output_tokens_per_second": FAR_LIMIT}
-    subjects: dict[str, tuple[Any, set[str]]] = {}
+    subjects: dict[str, tuple[Any, set[str], random.Random]] = {}
     for name, config in (
         ("stock", None),
         ("ours", limits),
@@ -149,19 +156,21 @@ def step_cost(model: str, rounds: int) -> dict[str, Any]:
             max_num_seqs=COST_USERS,
             max_num_batched_tokens=COST_BUDGET,
         )
+        # The same prompts, in the same order, for every subject.
+        prompts = random.Random(11)
         for u in range(COST_USERS):
-            h.add(f"user-{u}", prompt_len=COST_PROMPT, max_tokens=1)
+            h.add(f"user-{u}", prompt=_distinct_prompt(prompts), max_tokens=1)
         for _ in range(4):
             h.step(1_000_000)
-        subjects[name] = (h, set())
+        subjects[name] = (h, set(), prompts)
     times: dict[str, list[int]] = {name: [] for name in subjects}
     shared_steps = 0
     order, rng = list(subjects), random.Random(7)
     for _ in range(rounds):
         rng.shuffle(order)
         for name in order:
-            h, seen = subjects[name]
-            _keep_prefilling(h, seen)
+            h, seen, prompts = subjects[name]
+            _keep_prefilling(h, seen, prompts)
             started = time.perf_counter_ns()
             h.step(1_000_000)
             times[name].append(time.perf_counter_ns() - started)

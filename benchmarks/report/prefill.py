@@ -124,7 +124,8 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         "",
         f"**Step cost with {cost['users']:,} users prefilling** (vLLM's real "
         f"scheduler and KV cache manager, no model; each user keeps one request "
-        f"of a {cost['prompt_tokens']:,}-token prompt going, "
+        f"of a {cost['prompt_tokens']:,}-token prompt going, every prompt "
+        f"distinct (the prefix cache finds nothing), "
         f"{cost['step_tokens']:,} tokens a step; {cost['rounds']} rounds side by "
         f"side in shuffled order, the median of ours / stock in the same round; "
         f"ours shared the tokens in {cost['shared_steps']} of its "
