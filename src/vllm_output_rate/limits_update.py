@@ -20,6 +20,7 @@ from vllm_output_rate.prompt_limits import (
     PROMPT_USERS_KEY,
     prompt_rates_in,
 )
+from vllm_output_rate.teams import REMOVE_TEAMS_KEY, TEAMS_KEY, Teams, parse_teams
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
@@ -46,6 +47,12 @@ class LimitsUpdate:
     user_floors: Mapping[str, float] = field(default_factory=dict)
     prompt_default: float | None = None
     prompt_users: Mapping[str, float] = field(default_factory=dict)
+    teams: Teams | None = None  # each replaced whole
+    remove_teams: tuple[str, ...] = ()
+
+    @property
+    def changes_teams(self) -> bool:
+        return self.teams is not None or bool(self.remove_teams)
 
     @property
     def changes_prompt_rates(self) -> bool:
@@ -60,8 +67,11 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
     "user_output_weight": {"user-a": 2},
     "user_min_output_tokens_per_second": {"user-a": 5},
     "default_user_prompt_tokens_per_second": 3000,
-    "user_prompt_tokens_per_second": {"user-a": 500}}``, every key optional
-    (``remove_users`` drops a user's limit, weight, floor and prompt rate).
+    "user_prompt_tokens_per_second": {"user-a": 500},
+    "teams": {"t": {"output_tokens_per_second": 100, "members": ["user-a"]}},
+    "remove_teams": ["old-team"]}``, every key optional (``remove_users``
+    drops a user's limit, weight, floor and prompt rate; a team given is
+    replaced whole, its limit and members).
     """
     payload = check_object(
         payload,
@@ -73,9 +83,16 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
             FLOORS_KEY,
             DEFAULT_PROMPT_KEY,
             PROMPT_USERS_KEY,
+            TEAMS_KEY,
+            REMOVE_TEAMS_KEY,
         ),
         "request body",
     )
+    remove_teams = payload.get(REMOVE_TEAMS_KEY, [])
+    if not isinstance(remove_teams, list):
+        raise OutputRateConfigError(
+            f"{REMOVE_TEAMS_KEY}: expected a list, got {remove_teams!r}"
+        )
     prompt_default, prompt_users = prompt_rates_in(payload, "request body")
     default = payload.get(DEFAULT_KEY)
     remove = payload.get(REMOVE_KEY, [])
@@ -89,4 +106,8 @@ def parse_limits_update(payload: object) -> LimitsUpdate:
         user_floors=parse_user_rates(payload.get(FLOORS_KEY, {}), FLOORS_KEY),
         prompt_default=prompt_default,
         prompt_users=prompt_users,
+        teams=parse_teams(payload.get(TEAMS_KEY), TEAMS_KEY),
+        remove_teams=tuple(
+            validate_user_name(t, REMOVE_TEAMS_KEY) for t in remove_teams
+        ),
     )

@@ -59,6 +59,17 @@ class TeamBudget:
         # Tokens granted per member while its team was short (fair turns).
         self.served: Counter[str] = Counter()
 
+    def set_teams(self, teams: Teams) -> None:
+        """New teams (an operator's change): each team that stays keeps its
+        pacing state, a changed limit binds from the next take."""
+        removed = self.team_rates.keys() - teams.rates.keys()
+        self.team_of = dict(teams.team_of)
+        self.team_rates = dict(teams.rates)
+        self.teams.update_rates(user_rates=teams.rates, remove_users=removed)
+        self.served = Counter(
+            {user: count for user, count in self.served.items() if user in self.team_of}
+        )
+
     # ----- what the policy reads ------------------------------------------
 
     @property

@@ -15,7 +15,7 @@ the flag ``--output-rate-teams`` (the same JSON) wins over it::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from vllm_output_rate.validation import (
 )
 
 TEAMS_KEY = "teams"
+REMOVE_TEAMS_KEY = "remove_teams"  # the admin API's: teams to drop
 TEAMS_FLAG = "--output-rate-teams"
 TEAM_RATE_KEY = "output_tokens_per_second"
 MEMBERS_KEY = "members"
@@ -105,6 +106,34 @@ def parse_teams(value: object, where: str) -> Teams | None:
             team_of[user] = team_name
         if len(team_of) > MAX_MEMBERS:
             raise OutputRateConfigError(f"{where}: more than {MAX_MEMBERS:,} members")
+    return Teams(rates, team_of)
+
+
+def changed_teams(
+    current: Teams | None, given: Teams | None, remove: Iterable[str]
+) -> Teams:
+    """``current`` with each team of ``given`` replaced whole (its limit and
+    members) and the teams in ``remove`` dropped; refused when a user would
+    be in two teams or a removed team is unknown."""
+    current = current or Teams()
+    given = given or Teams()
+    rates = dict(current.rates)
+    for team in remove:
+        if team not in rates:
+            raise OutputRateConfigError(f"{REMOVE_TEAMS_KEY}: unknown team {team!r}")
+        del rates[team]
+    rates.update(given.rates)
+    team_of = {
+        u: t for u, t in current.team_of.items() if t in rates and t not in given.rates
+    }
+    for user, team in given.team_of.items():
+        other = team_of.get(user)
+        if other is not None:
+            raise OutputRateConfigError(
+                f"{TEAMS_KEY}[{team!r}]: user {user!r} is already a member of team "
+                f"{other!r}; a user belongs to at most one team"
+            )
+        team_of[user] = team
     return Teams(rates, team_of)
 
 

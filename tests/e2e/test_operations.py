@@ -281,3 +281,30 @@ def test_prompt_rates_are_read_and_changed_live(server) -> None:
     finally:
         httpx.put(limits_url, json={"remove_users": ["prompt-only"]}, headers=ADMIN)
     assert httpx.get(limits_url, headers=ADMIN).json() == before
+
+
+def test_teams_are_read_and_changed_live(server) -> None:
+    limits_url = server + "/v1/output_rate/limits"
+    before = httpx.get(limits_url, headers=ADMIN).json()
+    assert "teams" not in before  # none configured
+    for bad in (
+        {"teams": {"t": {"output_tokens_per_second": 0, "members": ["x"]}}},
+        {"teams": {"t": {"members": ["x"]}}},
+        {"teams": {"t": {"output_tokens_per_second": 5, "members": ["x\u0007"]}}},
+        {"remove_teams": ["nobody"]},  # refused by the engine: no such team
+    ):
+        response = httpx.put(limits_url, json=bad, headers=ADMIN)
+        assert response.status_code == 400, (bad, response.text)
+    crew = {"crew": {"output_tokens_per_second": 80.0, "members": ["m1", "m2"]}}
+    changed = httpx.put(limits_url, json={"teams": crew}, headers=ADMIN)
+    assert changed.status_code == 200, changed.text
+    try:
+        assert httpx.get(limits_url, headers=ADMIN).json()["teams"] == crew
+        # A user already in a team cannot join another: refused whole.
+        other = {"other": {"output_tokens_per_second": 5, "members": ["m1"]}}
+        response = httpx.put(limits_url, json={"teams": other}, headers=ADMIN)
+        assert response.status_code == 400, response.text
+        assert "already a member of team 'crew'" in response.text
+    finally:
+        httpx.put(limits_url, json={"remove_teams": ["crew"]}, headers=ADMIN)
+    assert httpx.get(limits_url, headers=ADMIN).json()["teams"] == {}

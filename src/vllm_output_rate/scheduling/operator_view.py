@@ -32,6 +32,7 @@ from vllm_output_rate.prompt_limits import DEFAULT_PROMPT_KEY, PROMPT_USERS_KEY
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
 from vllm_output_rate.scheduling.stats import OutputRateStats
+from vllm_output_rate.teams import Teams, changed_teams, check_team_floors
 from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class OperatorView:
     settings: OutputRateSettings
     limiter: Budget
     prompt_limiter: Budget | None  # prompt tokens computed; None: not limited
+    teams: Teams | None  # teams over users; None: none
     fair: FairShare
     stats: OutputRateStats
     shortcuts: StepLayers
@@ -95,6 +97,8 @@ class OperatorView:
             document[PROMPT_USERS_KEY] = {
                 u: prompt_rates[u] for u in page if u in prompt_rates
             }
+        if self.teams is not None:
+            document.update(self.teams.to_config())
         return {
             "limits": document,
             "next": page[-1] if page and end < len(names) else None,
@@ -122,6 +126,10 @@ class OperatorView:
             return default if rate is None else rate
 
         check_floors(floors, ceiling_of, self.settings.engine_capacity, FLOORS_KEY)
+        teams = self.teams
+        if update.changes_teams:
+            teams = changed_teams(teams, update.teams, update.remove_teams)
+        check_team_floors(teams, floors)
         limiter.update_rates(
             default_rate=update.default_rate,
             user_rates=update.user_rates,
@@ -134,8 +142,15 @@ class OperatorView:
                 remove_users=update.remove_users,
             )
         fair.update(update.user_weights, update.user_floors, update.remove_users)
+        if update.changes_teams and teams is not None:
+            self.use_teams(teams)
         self.shortcuts.forget()
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
+
+    def use_teams(self, teams: Teams) -> None:
+        """Charge members to ``teams`` from the next step on: the policy's
+        (``policy.py``), which owns the budget."""
+        raise NotImplementedError
 
     def limits_summary(self) -> str:
         """The limits for a log line: the table itself only while it is short

@@ -52,6 +52,7 @@ from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step import Step, StepMode, StepRules
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.team_budget import TeamBudget
+from vllm_output_rate.teams import Teams
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -160,6 +161,15 @@ class OutputRatePolicy(OperatorView):
         )
         host = self.host
         limiter.attach(lambda: bool(host.requests))
+
+    def use_teams(self, teams: Teams) -> None:
+        """Charge each member to its team in ``teams`` from the next step on
+        (a live change: each team keeps its place in its pacing)."""
+        self.teams = teams
+        if isinstance(self.limiter, TeamBudget):
+            self.limiter.set_teams(teams)
+        else:
+            self.use_limiter(self.limiter)
 
     def use_prompt_limiter(self, limiter: Budget) -> None:
         """Account prompt tokens against ``limiter`` from the next step on."""
