@@ -17,7 +17,15 @@ import pytest
 from rich.console import Console
 
 from vllm_output_rate import cli
-from vllm_output_rate.top import Sample, TopError, UserRow, Window, fetch, render
+from vllm_output_rate.top import (
+    Sample,
+    TopError,
+    UserRow,
+    Window,
+    fetch,
+    render,
+    sort_rows,
+)
 
 
 def user(tokens: int, *, firsts: int = 0, waited: float = 0.0, **extra) -> dict:
@@ -98,6 +106,48 @@ def test_prompt_rates_and_limits_when_the_server_limits_prompts() -> None:
     console.print(render(plain.rows(), title="top"))
     text = console.export_text()
     assert "prompt" not in text and "tokens" in text
+
+
+def test_users_are_grouped_by_team_on_a_server_with_teams() -> None:
+    window = Window(seconds=5.0)
+    readings = {
+        "zed": user(0, team="alpha"),
+        "amy": user(0),
+        "bob": user(0, team="beta"),
+        "cat": user(0, team="alpha"),
+    }
+    window.add(Sample(1.0, readings))
+    window.add(
+        Sample(
+            2.0,
+            {
+                "zed": user(30, team="alpha"),
+                "amy": user(90),
+                "bob": user(10, team="beta"),
+                "cat": user(20, team="alpha"),
+            },
+        )
+    )
+    ordered = sort_rows(window.rows(), "rate")
+    # By team (no team last), by rate within each.
+    assert [(r.team, r.user) for r in ordered] == [
+        ("alpha", "zed"),
+        ("alpha", "cat"),
+        ("beta", "bob"),
+        (None, "amy"),
+    ]
+    console = Console(width=120, height=12, force_terminal=True, record=True)
+    console.print(render(ordered, title="top"))
+    text = console.export_text()
+    assert "team" in text and "alpha" in text
+    # Without teams: no team column, the plain order.
+    assert "team" not in _table_text(rows(3))
+
+
+def _table_text(table_rows: list[UserRow]) -> str:
+    console = Console(width=120, height=12, force_terminal=True, record=True)
+    console.print(render(table_rows, title="top"))
+    return console.export_text()
 
 
 def rows(count: int) -> list[UserRow]:

@@ -58,6 +58,9 @@ class TeamBudget:
         )
         # Tokens granted per member while its team was short (fair turns).
         self.served: Counter[str] = Counter()
+        # Each team's tokens taken less those given back: its members'
+        # tokens dispatched (for operators; late refunds stay counted).
+        self.charged: Counter[str] = Counter()
 
     def set_teams(self, teams: Teams) -> None:
         """New teams (an operator's change): each team that stays keeps its
@@ -99,6 +102,18 @@ class TeamBudget:
     def team_rate(self, team: str) -> float | None:
         return self.team_rates.get(team)
 
+    def teams_snapshot(self) -> dict[str, dict[str, float]]:
+        """Each configured team's limit, members and tokens so far."""
+        members: Counter[str] = Counter(self.team_of.values())
+        return {
+            team: {
+                "limit": rate,
+                "members": members[team],
+                "tokens": self.charged[team],
+            }
+            for team, rate in self.team_rates.items()
+        }
+
     # ----- taking and giving back ----------------------------------------
 
     def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]:
@@ -116,6 +131,7 @@ class TeamBudget:
         if not asked:
             return got
         granted = self.teams.take_many(asked)
+        self.charged.update(granted)
         unused: dict[str, int] = {}
         for team, members in by_team.items():
             if granted[team] < asked[team]:
@@ -163,8 +179,9 @@ class TeamBudget:
     def refund(self, user: str, count: int = 1) -> None:
         self.users.refund(user, count)
         team = self.team_of.get(user)
-        if team is not None:
+        if team is not None and count > 0:
             self.teams.refund(team, count)
+            self.charged[team] -= count
 
     def refund_many(self, counts: Mapping[str, int]) -> None:
         self.users.refund_many(counts)
@@ -174,9 +191,10 @@ class TeamBudget:
         by_team: Counter[str] = Counter()
         for user, count in counts.items():
             team = team_of.get(user)
-            if team is not None:
+            if team is not None and count > 0:
                 by_team[team] += count
         self.teams.refund_many(by_team)
+        self.charged.subtract(by_team)
 
     def refunds_absorbed(self, users: KeysView[str]) -> bool:
         if not self.users.refunds_absorbed(users):

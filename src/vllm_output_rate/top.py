@@ -10,7 +10,8 @@ side: arrival in the scheduler to the step that samples it), and how many
 of its requests the API server refused at admission in the window (HTTP 429
 over its own caps, 503 over vLLM's; counted by the API server that answers
 the stats route). When the server limits prompt tokens, each user's prompt
-tokens computed per second over the window and its prompt limit follow. The
+tokens computed per second over the window and its prompt limit follow; on
+a server with teams, each user's team, the rows grouped by team. The
 columns are ``top_columns.py``'s.
 
 On a terminal it redraws in place on the alternate screen (like ``top``; fine
@@ -171,6 +172,7 @@ class Window:
                         _rate(now, then, "prompt_tokens", span) if prompts else None
                     ),
                     prompt_limit=float(now["prompt_limit"]) if prompts else None,
+                    team=now.get("team"),
                 )
             )
         return rows
@@ -194,15 +196,21 @@ def _refusals(record: dict[str, Any]) -> int:
 
 
 def sort_rows(rows: list[UserRow], key: str) -> list[UserRow]:
+    """``rows`` in ``key``'s order; on a server with teams, grouped by team
+    (users in no team last), in that order within each."""
     if key == "name":
-        return sorted(rows, key=lambda r: r.user)
-    if key == "throttled":
-        return sorted(rows, key=lambda r: (-r.throttled, r.user))
-    if key == "ttft":
-        return sorted(rows, key=lambda r: (-(r.ttft_s or -1.0), r.user))
-    if key == "tokens":
-        return sorted(rows, key=lambda r: (-r.tokens, r.user))
-    return sorted(rows, key=lambda r: (-(r.rate or 0.0), r.idle_s, r.user))
+        ordered = sorted(rows, key=lambda r: r.user)
+    elif key == "throttled":
+        ordered = sorted(rows, key=lambda r: (-r.throttled, r.user))
+    elif key == "ttft":
+        ordered = sorted(rows, key=lambda r: (-(r.ttft_s or -1.0), r.user))
+    elif key == "tokens":
+        ordered = sorted(rows, key=lambda r: (-r.tokens, r.user))
+    else:
+        ordered = sorted(rows, key=lambda r: (-(r.rate or 0.0), r.idle_s, r.user))
+    if any(r.team for r in rows):
+        ordered.sort(key=lambda r: (r.team is None, r.team or ""))  # stable
+    return ordered
 
 
 def render(

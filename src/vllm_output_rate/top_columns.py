@@ -34,6 +34,7 @@ class UserRow:
     # readings) and the prompt limit: None when prompts are not limited.
     prompt_rate: float | None = None
     prompt_limit: float | None = None
+    team: str | None = None  # its team, on a server with teams
 
 
 # (title, footer, justify, the cell of a row)
@@ -66,6 +67,10 @@ def columns(rows: list[UserRow], *, width: int, prompts: bool) -> list[Column]:
     # (column, the least terminal width that shows it)
     listed: list[tuple[Column, int]] = [
         (("user", "all", "left", lambda r: r.user), 0),
+    ]
+    if any(r.team for r in rows):
+        listed.append((("team", "", "left", lambda r: r.team or ""), 0))
+    listed += [
         (("limit", "", "right", lambda r: number(r.limit)), 0),
         (("tok/s", number(total_rate), "right", lambda r: number(r.rate)), 0),
         (("%", "", "right", _share), WIDE),

@@ -45,6 +45,11 @@ def server(tiny_model_path: str) -> Iterator[str]:
         # dashboard's admission panel has something to show.
         "--default-user-max-concurrent-requests",
         "2",
+        # A team far above its member's limit: the team panel has data.
+        "--output-rate-teams",
+        json.dumps(
+            {"b-team": {"output_tokens_per_second": 1000, "members": ["user-b"]}}
+        ),
     ]
     env = {
         "VLLM_PLUGINS": "output_rate,output_rate_http",
@@ -130,8 +135,10 @@ def test_top_shows_every_user_live_in_a_terminal(server: str, load: None) -> Non
         text = "\n".join(screen.display)
         assert process.poll() is None, text  # still running, redrawing
         assert "vllm-output-rate top" in text
+        # user-b's row names its team (the column after the user's).
+        assert "b-team" in text, text
         rows = {
-            line.split()[0]: line.split()
+            line.split()[0]: [cell for cell in line.split() if cell != "b-team"]
             for line in screen.display
             if line.split() and line.split()[0] in ("user-a", "user-b", "__anonymous__")
         }

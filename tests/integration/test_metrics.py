@@ -61,3 +61,32 @@ def test_without_prompt_limits_there_is_no_prompt_limit_gauge() -> None:
     # The counter is there (a dashboard's rate() answers 0), the gauge not.
     assert samples[(PREFIX + "prompt_tokens_total", "alice")] == 0
     assert not any("prompt_limit" in name for name, _ in samples)
+
+
+def test_each_team_has_its_tokens_and_limit() -> None:
+    collector = OutputRateCollector()
+    collector.update(
+        {
+            "labels": labels_snapshot(),
+            "limits": {"__default__": 10.0},
+            "teams": {
+                "crew": {"limit": 40.0, "members": 2, "tokens": 123},
+                "quiet": {"limit": 5.0, "members": 1, "tokens": 0},
+            },
+        }
+    )
+    registry = CollectorRegistry()
+    registry.register(collector)
+    samples = {
+        (s.name, s.labels.get("team")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert samples[(PREFIX + "team_tokens_total", "crew")] == 123
+    assert samples[(PREFIX + "team_tokens_total", "quiet")] == 0
+    assert samples[(PREFIX + "team_limit_tokens_per_second", "crew")] == 40.0
+
+
+def test_without_teams_there_is_no_team_family() -> None:
+    samples = scrape({"labels": labels_snapshot(), "limits": {"__default__": 10.0}})
+    assert not any("team" in name for name, _ in samples)

@@ -38,6 +38,15 @@ def test_four_members_share_their_teams_limit(limited) -> None:
     # Turns: each member about a quarter of it.
     for user in members:
         assert len(h.sampled_at(user)) == pytest.approx(25 * SECONDS, rel=0.05)
+    # What operators read: the team's tokens, limit and members.
+    h.drain()
+    policy = h.scheduler.output_rate
+    team_view = policy.metrics_snapshot()["teams"]["research"]
+    dispatched = sum(len(h.sampled_at(user)) for user in members)
+    assert team_view == {"limit": 100.0, "members": 4, "tokens": dispatched}
+    page = policy.users_snapshot(10)
+    assert page["teams"]["research"]["tokens"] == dispatched
+    assert {page["users"][user]["team"] for user in members} == {"research"}
 
 
 def test_a_member_is_held_to_its_own_limit_too(limited) -> None:

@@ -106,6 +106,9 @@ class OutputRateCollector(Collector):
                 "without their own)",
                 prompt_limits,
             )
+        teams = self._snapshot.get("teams")
+        if teams is not None:
+            yield from team_metrics(teams)
         shares = self._snapshot.get("fair_shares")
         if shares is not None:
             yield from fair_share_metrics(shares)
@@ -169,6 +172,26 @@ def fair_share_metrics(shares: dict[str, dict[str, float]]) -> Iterator[Any]:
         if "below_floor_seconds" in view:
             below.add_metric([label], view["below_floor_seconds"])
     yield below
+
+
+def team_metrics(teams: dict[str, dict[str, float]]) -> Iterator[Any]:
+    """Each configured team's tokens and limit (teams are the operator's:
+    one label each)."""
+    tokens = CounterMetricFamily(
+        PREFIX + "team_tokens",
+        "Output tokens dispatched to each team's members",
+        labels=["team"],
+    )
+    limit = GaugeMetricFamily(
+        PREFIX + "team_limit_tokens_per_second",
+        "Each team's output-token limit",
+        labels=["team"],
+    )
+    for team, view in teams.items():
+        tokens.add_metric([team], view["tokens"])
+        limit.add_metric([team], view["limit"])
+    yield tokens
+    yield limit
 
 
 def store_metrics(store: dict[str, Any], name: str = "store_") -> Iterator[Any]:

@@ -32,6 +32,7 @@ from vllm_output_rate.prompt_limits import DEFAULT_PROMPT_KEY, PROMPT_USERS_KEY
 from vllm_output_rate.scheduling.fair_share import FairShare
 from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
 from vllm_output_rate.scheduling.stats import OutputRateStats
+from vllm_output_rate.team_budget import TeamBudget
 from vllm_output_rate.teams import Teams, changed_teams, check_team_floors
 from vllm_output_rate.validation import OutputRateConfigError
 
@@ -184,6 +185,8 @@ class OperatorView:
             snapshot["prompt_limits"] = {DEFAULT_LABEL: prompt.default_rate} | {
                 label: prompt.rate_of(label) for label in labels if label != OTHER_USERS
             }
+        if isinstance(limiter, TeamBudget):
+            snapshot["teams"] = limiter.teams_snapshot()
         return self._with_store(snapshot)
 
     def users_snapshot(self, limit: int, after: str | None = None) -> dict[str, Any]:
@@ -192,10 +195,13 @@ class OperatorView:
         now_ns = self.limiter.now_ns()
         users, cursor, total = self.stats.users_page(now_ns, limit, after)
         prompt = self.prompt_limiter
+        team_of = self.teams.team_of if self.teams is not None else {}
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
             if prompt is not None:
                 view["prompt_limit"] = prompt.rate_of(user)
+            if team_of:
+                view["team"] = team_of.get(user)
             view.update(self.fair.snapshot(user))
         page = {
             "time_s": now_ns / 1e9,
@@ -206,6 +212,8 @@ class OperatorView:
         }
         if prompt is not None:
             page["default_prompt_limit"] = prompt.default_rate
+        if isinstance(self.limiter, TeamBudget):
+            page["teams"] = self.limiter.teams_snapshot()
         return self._with_store(page)
 
     def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
