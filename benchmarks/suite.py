@@ -31,6 +31,7 @@ from benchmarks import (
     scheduler_cost,
     speculative,
     store,
+    teams,
 )
 from benchmarks.engine_throughput import engine_throughput
 from benchmarks.measure import log
@@ -60,6 +61,7 @@ SECTIONS: dict[str, Measure] = {
     "admission": admission.run,
     "cache_salt": cache_salt.run,
     "prefill": prefill.run,
+    "teams": teams.run,
 }
 ON_SERVERS: dict[str, Callable[[ServerPool, bool], dict[str, Any]]] = {
     "isolation": isolation.isolation,

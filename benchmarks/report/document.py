@@ -28,6 +28,7 @@ from benchmarks.report import (
     scheduler_cost,
     speculative,
     store,
+    teams,
     throughput,
 )
 from benchmarks.report.format import verdict
@@ -43,6 +44,7 @@ SECTIONS: dict[str, ModuleType] = {
     "admission": admission,
     "cache_salt": cache_salt,
     "prefill": prefill,
+    "teams": teams,
 }
 
 

@@ -23,6 +23,8 @@ COLUMNS = {
     "cache_salt_latency": "later user's latency with the cache salt / without",
     "prefill_ttft_ratio": "light TTFT beside a prefill hog / alone",
     "prefill_step_cost": "step with 1,000 users prefilling",
+    "teams_step_cost": "step with 100 teams x 100 users / users only",
+    "teams_accuracy": "a team's engine rate / its limit",
 }
 
 
