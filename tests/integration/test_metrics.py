@@ -15,13 +15,15 @@ from vllm_output_rate.scheduling.metric_labels import OTHER_USERS
 from vllm_output_rate.scheduling.stats import OutputRateStats
 
 
-def scrape(snapshot: dict[str, Any]) -> dict[tuple[str, str | None], float]:
+def scrape(
+    snapshot: dict[str, Any], label: str = "user"
+) -> dict[tuple[str, str | None], float]:
     collector = OutputRateCollector()
     collector.update(snapshot)
     registry = CollectorRegistry()
     registry.register(collector)
     return {
-        (s.name, s.labels.get("user")): s.value
+        (s.name, s.labels.get(label)): s.value
         for family in text_string_to_metric_families(generate_latest(registry).decode())
         for s in family.samples
     }
@@ -64,24 +66,12 @@ def test_without_prompt_limits_there_is_no_prompt_limit_gauge() -> None:
 
 
 def test_each_team_has_its_tokens_and_limit() -> None:
-    collector = OutputRateCollector()
-    collector.update(
-        {
-            "labels": labels_snapshot(),
-            "limits": {"__default__": 10.0},
-            "teams": {
-                "crew": {"limit": 40.0, "members": 2, "tokens": 123},
-                "quiet": {"limit": 5.0, "members": 1, "tokens": 0},
-            },
-        }
-    )
-    registry = CollectorRegistry()
-    registry.register(collector)
-    samples = {
-        (s.name, s.labels.get("team")): s.value
-        for family in text_string_to_metric_families(generate_latest(registry).decode())
-        for s in family.samples
+    teams = {
+        "crew": {"limit": 40.0, "members": 2, "tokens": 123},
+        "quiet": {"limit": 5.0, "members": 1, "tokens": 0},
     }
+    snapshot = {"labels": labels_snapshot(), "limits": {}, "teams": teams}
+    samples = scrape(snapshot, label="team")
     assert samples[(PREFIX + "team_tokens_total", "crew")] == 123
     assert samples[(PREFIX + "team_tokens_total", "quiet")] == 0
     assert samples[(PREFIX + "team_limit_tokens_per_second", "crew")] == 40.0

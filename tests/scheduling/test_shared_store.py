@@ -52,6 +52,17 @@ def sampled(harness: SchedulerHarness, user: str, since_ns: int) -> int:
     return sum(t >= since_ns for t in harness.sampled_at(user))
 
 
+def run_ranks(ranks, clock: FakeClock, steps: int) -> None:
+    """10 ms steps of every rank, each refresher's round every 10 steps."""
+    for step in range(steps):
+        clock.advance(10 * MS)
+        if step % 10 == 0:
+            for _, _, refresher in ranks:
+                refresher.run_once(now_us=clock.now_ns // 1000)
+        for harness, _, _ in ranks:
+            harness.step()
+
+
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 def test_two_ranks_share_one_users_limit_3_to_1(
     tiny_model_path, redis_server, store_prefix, is_async
@@ -68,13 +79,7 @@ def test_two_ranks_share_one_users_limit_3_to_1(
         a.add("u", max_tokens=5000)
     b.add("u", max_tokens=5000)
     b.add("light", max_tokens=5000)  # another user, on one rank only
-    for step in range(1200):  # 12 s of 10 ms steps
-        clock.advance(10 * MS)
-        if step % 10 == 0:
-            for _, _, refresher in ranks:
-                refresher.run_once(now_us=clock.now_ns // 1000)
-        for harness, _, _ in ranks:
-            harness.step()
+    run_ranks(ranks, clock, 1200)  # 12 s
     since = clock.now_ns - 10 * S
     got_a, got_b = sampled(a, "u", since), sampled(b, "u", since)
     assert 0.98 * LIMIT * 10 <= got_a + got_b <= LIMIT * 10 + 2
@@ -129,13 +134,7 @@ def test_two_ranks_share_one_users_prompt_limit(
     for _ in range(2):
         b.add("hog", prompt_len=900, max_tokens=2)
     b.add("light", prompt_len=900, max_tokens=2)  # its own limit, one rank
-    for step in range(600):  # 6 s of 10 ms steps
-        clock.advance(10 * MS)
-        if step % 10 == 0:
-            for _, _, refresher in ranks:
-                refresher.run_once(now_us=clock.now_ns // 1000)
-        for harness, _, _ in ranks:
-            harness.step()
+    run_ranks(ranks, clock, 600)  # 6 s
     hog = sorted(a.prompt_token_times("hog") + b.prompt_token_times("hog"))
     assert len(hog) == 8 * 899  # every prompt computed, none cut
     assert_window_bound(hog, PROMPT_LIMIT, engines=2)
