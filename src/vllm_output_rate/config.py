@@ -42,7 +42,13 @@ from vllm_output_rate.prompt_limits import (
     prompt_rates_in,
 )
 from vllm_output_rate.store.settings import STORE_KEYS, StoreSettings
-from vllm_output_rate.teams import TEAMS_KEY, Teams, check_team_floors, parse_teams
+from vllm_output_rate.teams import (
+    TEAMS_KEY,
+    Teams,
+    check_team_floors,
+    layered_teams,
+    parse_teams,
+)
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     check_object,
@@ -168,7 +174,10 @@ class OutputRateSettings:
                     f"{where}: prompt-token rates and teams need {DEFAULT_KEY!r} too"
                 )
             return None
-        teams = parse_teams(section.get(TEAMS_KEY), f"{where}[{TEAMS_KEY!r}]")
+        teams = layered_teams(
+            file_teams(settings.config_file),
+            parse_teams(section.get(TEAMS_KEY), f"{where}[{TEAMS_KEY!r}]"),
+        )
         check_team_floors(teams, settings.user_floors)
         return replace(
             settings,
@@ -225,6 +234,7 @@ def _read_limits_file(path: str | Path) -> Mapping[str, Any]:
             WEIGHTS_KEY,
             FLOORS_KEY,
             *PROMPT_KEYS,
+            TEAMS_KEY,
             *STORE_KEYS,
             *ADMISSION_KEYS,
         ),
@@ -293,6 +303,7 @@ class FileLimits:
     weights: dict[str, float]
     floors: dict[str, float]
     prompt: Rates
+    teams: Teams | None  # None: the file states none
 
 
 def read_file_limits(path: str | Path) -> FileLimits:
@@ -303,7 +314,16 @@ def read_file_limits(path: str | Path) -> FileLimits:
         *_limits_in(content, where),
         *_fair_shares_in(content, where),
         prompt_rates_in(content, where),
+        parse_teams(content.get(TEAMS_KEY), f"{where}: {TEAMS_KEY}"),
     )
+
+
+def file_teams(config_file: str | None) -> Teams | None:
+    """A limits file's teams (none without a file)."""
+    if not config_file:
+        return None
+    path = f"{FILE_FLAG} {config_file}"
+    return parse_teams(_read_limits_file(config_file).get(TEAMS_KEY), f"{path}: teams")
 
 
 def merge_settings(

@@ -137,6 +137,17 @@ def changed_teams(
     return Teams(rates, team_of)
 
 
+def layered_teams(lower: Teams | None, upper: Teams | None) -> Teams | None:
+    """``lower``'s teams with ``upper``'s over them, team by team (a limits
+    file's, then ``additional_config``'s, then the flag's): a team ``upper``
+    names is replaced whole, and a user ``upper`` puts in a team leaves its
+    ``lower`` one; None: neither states teams."""
+    if lower is None or upper is None:
+        return upper if lower is None else lower
+    moved = {u: t for u, t in lower.team_of.items() if u not in upper.team_of}
+    return changed_teams(Teams(lower.rates, moved), upper, ())
+
+
 def check_team_floors(teams: Teams | None, floors: Mapping[str, float]) -> None:
     """A team's limit must hold its members' floors (tok/s each is promised
     whatever else runs): refused otherwise."""

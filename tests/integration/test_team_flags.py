@@ -38,7 +38,9 @@ def test_the_flag_reaches_the_engines_settings(parser, tiny_model_path: str) -> 
     assert teams_of(parser, tiny_model_path, FLAG, "10") is None
 
 
-def test_the_flag_wins_over_additional_config(parser, tiny_model_path: str) -> None:
+def test_the_flag_wins_over_additional_config_team_by_team(
+    parser, tiny_model_path: str
+) -> None:
     section = {
         "default_user_output_tokens_per_second": 10,
         "teams": {"old": {"output_tokens_per_second": 5, "members": ["a"]}},
@@ -55,7 +57,10 @@ def test_the_flag_wins_over_additional_config(parser, tiny_model_path: str) -> N
         TEAMS_FLAG,
         json.dumps(RESEARCH),
     )
-    assert teams is not None and set(teams.rates) == {"research"}
+    # Team by team: "old" stays, a moves to the flag's "research".
+    assert teams == Teams(
+        {"old": 5.0, "research": 100.0}, {"a": "research", "b": "research"}
+    )
 
 
 def test_teams_need_output_limiting(parser, tiny_model_path: str) -> None:
@@ -112,3 +117,25 @@ def test_a_team_limit_below_its_members_floors_is_refused(
             TEAMS_FLAG,
             json.dumps(RESEARCH),
         )
+
+
+def test_a_limits_files_teams_under_the_flags(
+    parser, tiny_model_path: str, tmp_path
+) -> None:
+    limits = tmp_path / "limits.yaml"
+    limits.write_text(
+        "default_user_output_tokens_per_second: 10\n"
+        "teams:\n"
+        "  filed: {output_tokens_per_second: 7, members: [c]}\n"
+        "  research: {output_tokens_per_second: 1, members: [z]}\n"
+    )
+    file = ("--output-rate-config", str(limits))
+    assert teams_of(parser, tiny_model_path, *file) == Teams(
+        {"filed": 7.0, "research": 1.0}, {"c": "filed", "z": "research"}
+    )
+    # The flag's research replaces the file's whole; filed stays.
+    teams = teams_of(parser, tiny_model_path, *file, TEAMS_FLAG, json.dumps(RESEARCH))
+    assert teams == Teams(
+        {"filed": 7.0, "research": 100.0},
+        {"c": "filed", "a": "research", "b": "research"},
+    )

@@ -6,6 +6,7 @@ import os
 
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduling.limits_file import LimitsFileWatcher
+from vllm_output_rate.teams import Teams
 
 
 class Clock:
@@ -128,3 +129,53 @@ def test_prompt_rates_while_prompt_limiting_is_off_change_nothing(tmp_path) -> N
     assert limiter.default_rate == 10
     (error,) = errors
     assert "prompt limiting is off" in error and "start-up" in error
+
+
+class Holder:
+    """Stands in for the policy: the teams in force."""
+
+    def __init__(self, teams: Teams | None) -> None:
+        self.teams = teams
+
+    def use_teams(self, teams: Teams) -> None:
+        self.teams = teams
+
+
+def test_teams_reload_with_the_limits(tmp_path) -> None:
+    limits = tmp_path / "limits.yaml"
+    write(
+        limits,
+        "default_user_output_tokens_per_second: 10\n"
+        "teams: {crew: {output_tokens_per_second: 40, members: [a, b]}}\n",
+        1_000,
+    )
+    errors: list[str] = []
+    clock = Clock()
+    limiter = OutputRateLimiter(10)
+    # "ops" came from the flags: the file never states it, so it stays.
+    holder = Holder(Teams({"crew": 40.0, "ops": 9.0}, {"a": "crew", "b": "crew"}))
+    watcher = LimitsFileWatcher(str(limits), errors.append, clock=clock)
+
+    write(limits, "default_user_output_tokens_per_second: 10\n"
+          "teams: {crew: {output_tokens_per_second: 20, members: [a]},"
+          " new: {output_tokens_per_second: 5, members: [b]}}\n", 2_000)  # fmt: skip
+    clock.now = 1.5
+    assert watcher.poll(limiter, team_holder=holder), errors
+    assert holder.teams == Teams(
+        {"crew": 20.0, "ops": 9.0, "new": 5.0}, {"a": "crew", "b": "new"}
+    )
+
+    # A user in two teams: nothing applies.
+    write(limits, "default_user_output_tokens_per_second: 10\n"
+          "teams: {crew: {output_tokens_per_second: 20, members: [a]},"
+          " new: {output_tokens_per_second: 5, members: [a]}}\n", 3_000)  # fmt: skip
+    clock.now = 3.0
+    assert not watcher.poll(limiter, team_holder=holder)
+    assert "already a member" in errors[-1]
+    assert set(holder.teams.rates) == {"crew", "ops", "new"}
+
+    # Teams the file no longer states are dropped; the flags' stays.
+    write(limits, "default_user_output_tokens_per_second: 10\n", 4_000)
+    clock.now = 4.5
+    assert watcher.poll(limiter, team_holder=holder)
+    assert holder.teams == Teams({"ops": 9.0}, {})

@@ -1,8 +1,9 @@
 """The flag of teams over users (``teams.py``).
 
-``--output-rate-teams JSON`` joins the plugin's group and wins over the
-``teams`` key of ``--additional-config``; like every limit it needs output
-limiting on (``--default-user-output-tokens-per-second``).
+``--output-rate-teams JSON`` joins the plugin's group; each team it names
+wins over the same team of ``--additional-config`` and the limits file.
+Like every limit it needs output limiting on
+(``--default-user-output-tokens-per-second``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from dataclasses import replace
 from vllm_output_rate.config import DEFAULT_FLAG, OutputRateSettings
 from vllm_output_rate.integration.cli_flags import plugin_group
 from vllm_output_rate.integration.flag_types import parsed_with
-from vllm_output_rate.teams import TEAMS_FLAG, check_team_floors, parse_teams
+from vllm_output_rate.teams import (
+    TEAMS_FLAG,
+    check_team_floors,
+    layered_teams,
+    parse_teams,
+)
 from vllm_output_rate.validation import OutputRateConfigError
 
 
@@ -47,5 +53,6 @@ def with_team_flags(
         )
     if settings is None:
         raise OutputRateConfigError(f"{TEAMS_FLAG} needs {DEFAULT_FLAG}")
+    teams = layered_teams(settings.teams, teams)
     check_team_floors(teams, settings.user_floors)
     return replace(settings, teams=teams)

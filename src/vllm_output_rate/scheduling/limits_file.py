@@ -2,9 +2,10 @@
 
 The scheduler asks at most once a second whether the file's modification
 time changed; on a change it applies the file's default and user limits,
-weights and floors, and prompt-token rates, and users that left the file
-fall back to the default (limit, weight 1, no floor, the default prompt
-rate). All or nothing: a file that fails to parse, or that states prompt
+weights and floors, prompt-token rates and teams (each team it states
+replaced whole), and users that left the file fall back to the default
+(limit, weight 1, no floor, the default prompt rate; teams it no longer
+states are dropped). All or nothing: a file that fails to parse, or that states prompt
 rates while prompt limiting is off (it is turned on at start-up only), is
 logged and ignored, and the limits in force stay as they were.
 """
@@ -14,14 +15,24 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import FileLimits, read_file_limits
 from vllm_output_rate.fair_settings import check_floors
 from vllm_output_rate.scheduling.fair_share import FairShare
+from vllm_output_rate.teams import Teams, changed_teams, check_team_floors
 from vllm_output_rate.validation import OutputRateConfigError
 
 CHECK_INTERVAL_S = 1.0
+
+
+class TeamHolder(Protocol):
+    """Who holds the teams in force (the policy)."""
+
+    teams: Teams | None
+
+    def use_teams(self, teams: Teams) -> None: ...
 
 
 class LimitsFileWatcher:
@@ -42,6 +53,7 @@ class LimitsFileWatcher:
         self._file_users = set(loaded.users) if loaded else set()
         self._fair_users = set(loaded.weights) | set(loaded.floors) if loaded else set()
         self._file_prompt_users = set(loaded.prompt[1]) if loaded else set()
+        self._file_teams = set(loaded.teams.rates) if loaded and loaded.teams else set()
 
     def _read_mtime(self) -> float | None:
         try:
@@ -61,10 +73,13 @@ class LimitsFileWatcher:
         limiter: Budget,
         fair: FairShare | None = None,
         prompt_limiter: Budget | None = None,
+        team_holder: TeamHolder | None = None,
     ) -> bool:
         """Apply the file if it changed since the last look; True if applied.
         ``fair`` gets the file's weights and floors, ``prompt_limiter`` (None:
-        prompt limiting off) its prompt rates; all or nothing."""
+        prompt limiting off) its prompt rates, ``team_holder`` its teams (the
+        teams it stated before and no longer does are dropped); all or
+        nothing."""
         now = self._clock()
         if now < self._next_check:
             return False
@@ -86,15 +101,27 @@ class LimitsFileWatcher:
                     "is turned on at start-up, with a default prompt rate)"
                 )
             gone = self._fair_users - set(weights) - set(floors)
+            new_floors = dict(floors)
             if fair is not None:
                 ceiling = default if default is not None else limiter.default_rate
                 kept = {u: f for u, f in fair.floors.items() if u not in gone}
+                new_floors = {**kept, **floors}
                 check_floors(
-                    {**kept, **floors},
+                    new_floors,
                     lambda u: users.get(u, ceiling),
                     self._capacity,
                     f"limits file {self._path}",
                 )
+            teams = None
+            if team_holder is not None and (loaded.teams or self._file_teams):
+                stated = loaded.teams or Teams()
+                current = team_holder.teams or Teams()
+                # The file's teams it no longer states (unless already gone).
+                dropped = (
+                    self._file_teams - stated.rates.keys()
+                ) & current.rates.keys()
+                teams = changed_teams(current, stated, dropped)
+                check_team_floors(teams, new_floors)
         except OutputRateConfigError as exc:
             self._on_error(f"limits file not reloaded: {exc}")
             return False
@@ -118,4 +145,7 @@ class LimitsFileWatcher:
         if fair is not None:
             fair.update(weights, floors, remove_users=gone)
         self._fair_users = set(weights) | set(floors)
+        if team_holder is not None and teams is not None:
+            team_holder.use_teams(teams)
+            self._file_teams = set(loaded.teams.rates) if loaded.teams else set()
         return True

@@ -207,7 +207,7 @@ class OutputRatePolicy(OperatorView):
         host = self.host
         self.steps += 1
         if self._limits_file and self._limits_file.poll(
-            self.limiter, self.fair, self.prompt_limiter
+            self.limiter, self.fair, self.prompt_limiter, self
         ):
             self.shortcuts.forget()
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
