@@ -1,6 +1,7 @@
 """A real LiteLLM proxy in front of a real vLLM server with the plugin: end
 users behind the gateway's one key are each charged, limited and cached as
-themselves; a client that goes around the gateway cannot name them.
+themselves, and two of them in a team share its limit; a client that goes
+around the gateway cannot name them.
 
 LiteLLM (from its PyPI package, no database) authenticates its callers with
 its master key and sends every request to vLLM with one backend key, marked
@@ -13,6 +14,7 @@ client sent: that header is vLLM's ``--output-rate-user-header``.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +36,8 @@ MASTER_KEY = "sk-litellm-master"
 ADMIN = {"Authorization": "Bearer admin-key"}
 USER_HEADER = "x-litellm-user_api_key_end_user_id"
 ALICE_RATE = 4  # tok/s; everyone else 1000
+# A team of two end users behind the gateway: 6 tok/s for both together.
+CREW_RATE, CREW = 6, ("carol", "dave")
 # About 750 tokens (the tiny model takes 1,024): several KV blocks,
 # so a prefix can be cached.
 LONG_PROMPT = " ".join(f"fact {i}: the {i % 7}th river flows east." for i in range(40))
@@ -57,6 +61,9 @@ def vllm(
         "--output-rate-api-keys", str(keys),
         "--output-rate-user-header", USER_HEADER,
         "--output-rate-cache-salt", "user",
+        "--output-rate-teams",
+        json.dumps({"crew": {"output_tokens_per_second": CREW_RATE,
+                             "members": list(CREW)}}),
     ]  # fmt: skip
     env = {
         "VLLM_PLUGINS": "output_rate,output_rate_http",
@@ -177,6 +184,41 @@ def test_each_end_user_is_limited_as_itself(vllm: str, gateway: str) -> None:
     after = throttled_steps(vllm)
     assert after.get("alice", 0) > before.get("alice", 0)
     assert after.get("bob", 0) == before.get("bob", 0)
+
+
+def test_two_end_users_share_their_teams_limit(vllm: str, gateway: str) -> None:
+    """carol and dave, each 1000 tok/s of their own, in a 6 tok/s team:
+    both behind the gateway's one key, each charged as itself, the two
+    together paced at the team's limit."""
+    elapsed: dict[str, float] = {}
+    limits: dict[str, str] = {}
+    before = tokens(vllm)
+    team_before = team_tokens(vllm)
+
+    def run(user: str) -> None:
+        started = time.monotonic()
+        answer = chat(gateway, MASTER_KEY, 9, {"x-litellm-end-user-id": user})
+        assert completion_tokens(answer) == 9
+        elapsed[user] = time.monotonic() - started
+        limits[user] = answer.headers["x-ratelimit-limit-tokens"]
+
+    threads = [threading.Thread(target=run, args=(user,)) for user in CREW]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert charged(before, tokens(vllm)) == dict.fromkeys(CREW, 9)
+    assert team_tokens(vllm) - team_before == 18
+    # A member's limit is the stricter of its own and its team's.
+    assert limits == dict.fromkeys(CREW, str(60 * CREW_RATE))
+    # 18 tokens at 6 tok/s with a 0.1 s burst: the later one takes at
+    # least 17 / 6 - 0.1 s; alone, each would take a fraction of that.
+    assert max(elapsed.values()) >= (18 - 1) / CREW_RATE - 0.1, elapsed
+
+
+def team_tokens(vllm: str) -> int:
+    page = httpx.get(vllm + "/v1/output_rate/stats", headers=ADMIN).json()
+    return int(page["teams"]["crew"]["tokens"])
 
 
 def throttled_steps(vllm: str) -> dict[str, int]:
