@@ -38,19 +38,13 @@ from vllm_output_rate.teams import Teams
 class TeamBudget:
     """A user's budget and its team's, as one ``Budget``."""
 
-    def __init__(
-        self,
-        users: Budget,
-        teams: Teams,
-        *,
-        team_limiter: OutputRateLimiter | None = None,
-    ) -> None:
+    def __init__(self, users: Budget, teams: Teams) -> None:
         self.users = users
         self.team_of = dict(teams.team_of)
         self.team_rates = dict(teams.rates)
         # Keyed by team name; no default rate is ever used (every team has
         # its own), so the first team's stands in for it.
-        self.teams = team_limiter or OutputRateLimiter(
+        self.teams = OutputRateLimiter(
             next(iter(teams.rates.values()), 1.0),
             teams.rates,
             burst_ns=users.burst_ns,
@@ -98,9 +92,6 @@ class TeamBudget:
         rate = self.users.rate_of(user)
         team = self.team_of.get(user)
         return rate if team is None else min(rate, self.team_rates[team])
-
-    def team_rate(self, team: str) -> float | None:
-        return self.team_rates.get(team)
 
     def teams_snapshot(self) -> dict[str, dict[str, float]]:
         """Each configured team's limit, members and tokens so far."""
