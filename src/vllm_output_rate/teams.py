@@ -44,17 +44,28 @@ class Teams:
     rates: Mapping[str, float] = field(default_factory=dict)
     team_of: Mapping[str, str] = field(default_factory=dict)
 
-    def members(self, team: str) -> list[str]:
-        return sorted(user for user, of in self.team_of.items() if of == team)
-
     def to_config(self) -> dict[str, Any]:
         """The ``teams`` key of ``additional_config['output_rate']``."""
+        members: dict[str, list[str]] = {team: [] for team in self.rates}
+        for user, team in sorted(self.team_of.items()):
+            members[team].append(user)
         return {
             TEAMS_KEY: {
-                team: {TEAM_RATE_KEY: rate, MEMBERS_KEY: self.members(team)}
+                team: {TEAM_RATE_KEY: rate, MEMBERS_KEY: members[team]}
                 for team, rate in self.rates.items()
             }
         }
+
+
+def _join(team_of: dict[str, str], user: str, team: str, where: str) -> None:
+    """Put ``user`` in ``team``: refused if it is in another one already."""
+    other = team_of.get(user)
+    if other is not None:
+        raise OutputRateConfigError(
+            f"{where}: user {user!r} is already a member of team {other!r}; "
+            "a user belongs to at most one team"
+        )
+    team_of[user] = team
 
 
 def parse_teams(value: object, where: str) -> Teams | None:
@@ -97,13 +108,7 @@ def parse_teams(value: object, where: str) -> Teams | None:
             )
         for member in members:
             user = validate_user_name(member, f"{at}[{MEMBERS_KEY!r}]: member")
-            other = team_of.get(user)
-            if other is not None:
-                raise OutputRateConfigError(
-                    f"{at}: user {user!r} is already a member of team {other!r}; "
-                    "a user belongs to at most one team"
-                )
-            team_of[user] = team_name
+            _join(team_of, user, team_name, at)
         if len(team_of) > MAX_MEMBERS:
             raise OutputRateConfigError(f"{where}: more than {MAX_MEMBERS:,} members")
     return Teams(rates, team_of)
@@ -127,13 +132,7 @@ def changed_teams(
         u: t for u, t in current.team_of.items() if t in rates and t not in given.rates
     }
     for user, team in given.team_of.items():
-        other = team_of.get(user)
-        if other is not None:
-            raise OutputRateConfigError(
-                f"{TEAMS_KEY}[{team!r}]: user {user!r} is already a member of team "
-                f"{other!r}; a user belongs to at most one team"
-            )
-        team_of[user] = team
+        _join(team_of, user, team, f"{TEAMS_KEY}[{team!r}]")
     return Teams(rates, team_of)
 
 
