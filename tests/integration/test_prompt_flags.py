@@ -9,7 +9,7 @@ import json
 import pytest
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from harness.vllm_cli import parse_engine_args, vllm_parser
+from harness.vllm_cli import engine_settings, parse_engine_args, vllm_parser
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.prompt_limits import PromptLimits
 from vllm_output_rate.validation import OutputRateConfigError
@@ -25,10 +25,7 @@ def parser() -> FlexibleArgumentParser:
 
 
 def prompt_limits(parser, model: str, *argv: str) -> PromptLimits | None:
-    _, config = parse_engine_args(parser, model, *argv)
-    settings = OutputRateSettings.from_additional_config(config.additional_config)
-    assert settings is not None
-    return settings.prompt_limits
+    return engine_settings(parser, model, *argv).prompt_limits
 
 
 def test_the_flags_reach_the_engines_settings(parser, tiny_model_path: str) -> None:

@@ -9,7 +9,7 @@ import json
 import pytest
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from harness.vllm_cli import parse_engine_args, vllm_parser
+from harness.vllm_cli import engine_settings, parse_engine_args, vllm_parser
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.teams import TEAMS_FLAG, Teams, parse_teams
 from vllm_output_rate.validation import OutputRateConfigError
@@ -24,10 +24,7 @@ def parser() -> FlexibleArgumentParser:
 
 
 def teams_of(parser, model: str, *argv: str) -> Teams | None:
-    _, config = parse_engine_args(parser, model, *argv)
-    settings = OutputRateSettings.from_additional_config(config.additional_config)
-    assert settings is not None
-    return settings.teams
+    return engine_settings(parser, model, *argv).teams
 
 
 def test_the_flag_reaches_the_engines_settings(parser, tiny_model_path: str) -> None:
