@@ -118,10 +118,12 @@ class OutputRateCollector(Collector):
                 yield from store_metrics(store, key + "_")
 
 
-def _per_label(name: str, doc: str, values: dict[str, float]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(PREFIX + name, doc, labels=["user"])
-    for label, value in values.items():
-        family.add_metric([label], value)
+def _per_label(
+    name: str, doc: str, values: dict[str, float], label: str = "user"
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
     return family
 
 
@@ -182,16 +184,15 @@ def team_metrics(teams: dict[str, dict[str, float]]) -> Iterator[Any]:
         "Output tokens dispatched to each team's members",
         labels=["team"],
     )
-    limit = GaugeMetricFamily(
-        PREFIX + "team_limit_tokens_per_second",
-        "Each team's output-token limit",
-        labels=["team"],
-    )
     for team, view in teams.items():
         tokens.add_metric([team], view["tokens"])
-        limit.add_metric([team], view["limit"])
     yield tokens
-    yield limit
+    yield _per_label(
+        "team_limit_tokens_per_second",
+        "Each team's output-token limit",
+        {team: view["limit"] for team, view in teams.items()},
+        label="team",
+    )
 
 
 def store_metrics(store: dict[str, Any], name: str = "store_") -> Iterator[Any]:
