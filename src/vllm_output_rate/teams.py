@@ -6,8 +6,9 @@ own budget and to its team's: a token is sampled only when both allow it
 (``team_budget.py``). A user belongs to at most one team; a user in no team
 behaves exactly as without teams.
 
-The key sits beside the limits in ``additional_config['output_rate']``, and
-the flag ``--output-rate-teams`` (the same JSON) wins over it::
+The key sits beside the limits in a limits file and in
+``additional_config['output_rate']``, and the flag ``--output-rate-teams``
+takes the same JSON; they layer team by team (``layered_teams``)::
 
     {"teams": {"research": {"output_tokens_per_second": 100,
                             "members": ["alice", "bob"]}}}
