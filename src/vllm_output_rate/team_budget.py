@@ -21,6 +21,11 @@ without teams:
 
 Users in no team go straight to the users' budget, so with no team among
 a step's users it costs one set intersection more than without teams.
+
+The teams' limiter is embedded by default; with a shared store it is a
+second leased budget keyed by team (``shared``), so that one team's limit
+holds over every engine. Its demand is its members' unfinished requests,
+summed per team whenever they change.
 """
 
 from __future__ import annotations
@@ -38,18 +43,38 @@ from vllm_output_rate.teams import Teams
 class TeamBudget:
     """A user's budget and its team's, as one ``Budget``."""
 
-    def __init__(self, users: Budget, teams: Teams) -> None:
+    def __init__(
+        self,
+        users: Budget,
+        teams: Teams,
+        *,
+        shared: Budget | None = None,
+        changes_of: Callable[[], int] | None = None,
+    ) -> None:
+        """``shared``: the teams' budget leased from a store (keyed by team,
+        at the teams' limits), else an embedded one; ``changes_of``: a count
+        that changes whenever a user's unfinished requests do (the demand
+        a shared budget is told of is summed again then)."""
         self.users = users
         self.team_of = dict(teams.team_of)
         self.team_rates = dict(teams.rates)
         # Keyed by team name; no default rate is ever used (every team has
         # its own), so the first team's stands in for it.
-        self.teams = OutputRateLimiter(
-            next(iter(teams.rates.values()), 1.0),
-            teams.rates,
-            burst_ns=users.burst_ns,
-            clock=users.now_ns,
+        # (``is None``: a budget with no users yet has a length of 0.)
+        self.teams: Budget = (
+            shared
+            if shared is not None
+            else OutputRateLimiter(
+                next(iter(teams.rates.values()), 1.0),
+                teams.rates,
+                burst_ns=users.burst_ns,
+                clock=users.now_ns,
+            )
         )
+        self.shared = shared is not None
+        self._changes_of = changes_of
+        self._team_demand: dict[str, int] = {}
+        self._demand_seen: object = None
         # Tokens granted per member while its team was short (fair turns).
         self.served: Counter[str] = Counter()
         # Each team's tokens taken less those given back: its members'
@@ -60,9 +85,17 @@ class TeamBudget:
         """New teams (an operator's change): each team that stays keeps its
         pacing state, a changed limit binds from the next take."""
         removed = self.team_rates.keys() - teams.rates.keys()
+        # Only what changed: a shared budget writes it to the store for every
+        # engine, and must not write back a limit another engine changed.
+        changed = {
+            team: rate
+            for team, rate in teams.rates.items()
+            if team not in self.team_rates or self.teams.rate_of(team) != rate
+        }
         self.team_of = dict(teams.team_of)
         self.team_rates = dict(teams.rates)
-        self.teams.update_rates(user_rates=teams.rates, remove_users=removed)
+        self.teams.update_rates(user_rates=changed, remove_users=removed)
+        self._demand_seen = None  # members moved: sum the demand again
         self.served = Counter(
             {user: count for user, count in self.served.items() if user in self.team_of}
         )
@@ -91,18 +124,26 @@ class TeamBudget:
     def rate_of(self, user: str) -> float:
         rate = self.users.rate_of(user)
         team = self.team_of.get(user)
-        return rate if team is None else min(rate, self.team_rates[team])
+        return rate if team is None else min(rate, self.teams.rate_of(team))
+
+    def current_teams(self) -> Teams:
+        """The teams as configured here, each limit as the budget holds it."""
+        return Teams(
+            rates={team: self.teams.rate_of(team) for team in self.team_rates},
+            team_of=self.team_of,
+        )
 
     def teams_snapshot(self) -> dict[str, dict[str, float]]:
         """Each configured team's limit, members and tokens so far."""
         members: Counter[str] = Counter(self.team_of.values())
         return {
             team: {
-                "limit": rate,
+                # A shared budget's limit may have changed on another engine.
+                "limit": self.teams.rate_of(team),
                 "members": members[team],
                 "tokens": self.charged[team],
             }
-            for team, rate in self.team_rates.items()
+            for team in self.team_rates
         }
 
     # ----- taking and giving back ----------------------------------------
@@ -231,16 +272,35 @@ class TeamBudget:
             default_rate=default_rate, user_rates=user_rates, remove_users=remove_users
         )
 
-    # ----- the shared store's hooks: the users' budget's ---------------------
+    # ----- the shared store's hooks -----------------------------------------
 
     def attach(self, has_requests: Callable[[], bool]) -> None:
         self.users.attach(has_requests)
+        self.teams.attach(has_requests)
 
     def between_steps(self, demand: Mapping[str, int], generation: object) -> None:
         self.users.between_steps(demand, generation)
+        if not self.shared:
+            return
+        seen = (generation, self._changes_of() if self._changes_of else None)
+        if seen != self._demand_seen:
+            self._demand_seen = seen
+            team_of, team_demand = self.team_of, Counter[str]()
+            for user, count in demand.items():
+                team = team_of.get(user)
+                if team is not None:
+                    team_demand[team] += count
+            # A new object: the leases note the change (``LeasedLimiter``).
+            self._team_demand = dict(team_demand)
+        self.teams.between_steps(self._team_demand, self._demand_seen)
 
     def apply_pending(self) -> None:
         self.users.apply_pending()
+        self.teams.apply_pending()
 
     def store_snapshot(self) -> dict[str, Any] | None:
         return self.users.store_snapshot()
+
+    def team_store_snapshot(self) -> dict[str, Any] | None:
+        """The teams' leases, when they are shared through a store."""
+        return self.teams.store_snapshot() if self.shared else None

@@ -45,6 +45,7 @@ S = 1_000_000_000
 LIMIT = 40.0  # the shared user
 OTHER = 30.0  # users on one server only: "witness-a" on a, "other" on b
 PROMPT_RATE = 1e6  # prompt tokens a second: never binds
+TEAM_RATE = 1e5  # a team's output tokens a second: never binds
 STALL_GAP_S = 0.2  # a gap this long in a 30 tok/s user's tokens: a stall
 ADMIN_KEY = "e2e-admin"
 # u's first requests reaching the engines later than this: a late run.
@@ -68,6 +69,9 @@ def servers(tiny_model_path: str, store: RedisServer):
         "--output-rate-store", store.url,
         # Prompt rates far above demand: their budget is leased too.
         "--default-user-prompt-tokens-per-second", str(PROMPT_RATE),
+        # A team far above demand: its budget is leased too, keyed by team.
+        "--output-rate-teams", json.dumps({"crew": {
+            "output_tokens_per_second": TEAM_RATE, "members": ["late-user"]}}),
         # Two engines, the store and the clients share 2 cores here: store
         # rounds took up to 0.23 s in CI, next to the 0.25 s default timeout,
         # and a round that times out pauses the shared user (a blip the
@@ -97,6 +101,7 @@ def servers(tiny_model_path: str, store: RedisServer):
             log = url.log_text()
             assert "output-token limits shared through" in log
             assert "prompt-token limits shared through" in log
+            assert "Per-team output-token limits shared through" in log
         yield (a, b), logs
 
 
@@ -294,6 +299,12 @@ def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
     body = {
         "user_output_tokens_per_second": {"late-user": 12.5},
         "user_prompt_tokens_per_second": {"late-user": 700},
+        "teams": {
+            "crew": {
+                "output_tokens_per_second": 2 * TEAM_RATE,
+                "members": ["late-user"],
+            }
+        },
     }
     response = httpx.put(f"{a}/v1/output_rate/limits", json=body, headers=headers)
     assert response.status_code == 200, response.text
@@ -303,16 +314,17 @@ def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
         if (
             limits["user_output_tokens_per_second"].get("late-user") == 12.5
             and limits["user_prompt_tokens_per_second"].get("late-user") == 700
+            and limits["teams"]["crew"]["output_tokens_per_second"] == 2 * TEAM_RATE
         ):
             break
         time.sleep(0.05)
     else:
         raise AssertionError(f"b did not see the change within 1 s: {limits}")
     stats = httpx.get(f"{b}/v1/output_rate/stats", headers=headers).json()
-    for budget in ("store", "prompt_store"):
+    for budget in ("store", "prompt_store", "team_store"):
         assert stats[budget]["engines_seen"] == 2 and not stats[budget]["degraded"]
     metrics = httpx.get(f"{b}/metrics").text
-    for budget in ("store", "prompt_store"):
+    for budget in ("store", "prompt_store", "team_store"):
         assert f"vllm:output_rate_{budget}_round_trip_seconds_count" in metrics
         assert f"vllm:output_rate_{budget}_failing_seconds_total" in metrics
 

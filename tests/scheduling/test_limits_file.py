@@ -137,6 +137,9 @@ class Holder:
     def __init__(self, teams: Teams | None) -> None:
         self.teams = teams
 
+    def current_teams(self) -> Teams | None:
+        return self.teams
+
     def use_teams(self, teams: Teams) -> None:
         self.teams = teams
 

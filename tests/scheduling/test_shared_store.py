@@ -9,6 +9,7 @@ scheduler leases from the store); vLLM's CPU build does not run DP > 1.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -17,11 +18,12 @@ import pytest
 from harness.bounds import assert_window_bound
 from harness.counting_limiter import CountingLimiter
 from harness.scheduler_sim import FakeClock, SchedulerHarness, make_scheduler
-from vllm_output_rate.store.engine import prompt_store_settings
+from vllm_output_rate.store.engine import prompt_store_settings, team_store_settings
 from vllm_output_rate.store.leases import LeasedLimiter
 from vllm_output_rate.store.redis_store import RedisLeaseStore
 from vllm_output_rate.store.refresher import Refresher
 from vllm_output_rate.store.settings import StoreSettings
+from vllm_output_rate.team_budget import TeamBudget
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -218,6 +220,147 @@ def test_with_prompt_rates_the_scheduler_leases_both_budgets(
     client = RedisLeaseStore(prompt.settings)
     try:
         assert client.read_limits().default_rate == 3_000.0
+    finally:
+        client.close()
+    harness.scheduler.shutdown()
+    assert not policy.on_close
+
+
+TEAM_LIMIT = 60.0  # tok/s for the members of one team together
+
+
+def team_leased_scheduler(model: str, url: str, prefix: str, clock: FakeClock):
+    """A rank whose teams' budget is leased from the store (under its own
+    keys, keyed by team), as the scheduler does with a store and teams; the
+    users' own limits far above demand, so that only the team binds."""
+    harness = make_scheduler(
+        model,
+        limits={
+            "default_user_output_tokens_per_second": FAR,
+            "teams": {
+                "t": {
+                    "output_tokens_per_second": TEAM_LIMIT,
+                    "members": ["a1", "a2", "b1"],
+                }
+            },
+        },
+        clock=clock,
+        max_num_seqs=16,
+    )
+    policy = harness.scheduler.output_rate
+    settings = team_store_settings(StoreSettings(url=url, key_prefix=prefix))
+    leased = LeasedLimiter(TEAM_LIMIT, {"t": TEAM_LIMIT}, settings, clock=clock)
+    refresher = Refresher(leased, RedisLeaseStore(settings), f"rank-{id(harness)}")
+    policy.lease_team_budget = lambda teams: leased
+    policy.use_limiter(policy.limiter.users)  # the team budget, leased now
+    return harness, leased, refresher
+
+
+def test_two_ranks_share_one_teams_limit(
+    tiny_model_path, redis_server, store_prefix
+) -> None:
+    """Members of one team on two ranks: the team's limit holds over both
+    (one budget in the store, keyed by team), shared by their demand (3
+    streams on one rank, 1 on the other), while a user in no team gets its
+    own limit."""
+    clock = FakeClock(1_000 * S)
+    ranks = [
+        team_leased_scheduler(tiny_model_path, redis_server.url, store_prefix, clock)
+        for _ in range(2)
+    ]
+    (a, _, _), (b, _, _) = ranks
+    assert isinstance(a.scheduler.output_rate.limiter, TeamBudget)
+    for user in ("a1", "a1", "a2"):
+        a.add(user, max_tokens=5000)
+    b.add("b1", max_tokens=5000)
+    b.add("alone", max_tokens=5000)  # in no team: its own (far) limit
+    run_ranks(ranks, clock, 1200)  # 12 s
+    since = clock.now_ns - 10 * S
+    members = ("a1", "a2", "b1")
+    got_a = sum(sampled(a, user, since) for user in members)
+    got_b = sum(sampled(b, user, since) for user in members)
+    assert 0.95 * TEAM_LIMIT * 10 <= got_a + got_b <= TEAM_LIMIT * 10 + 2
+    assert got_a / got_b == pytest.approx(3, rel=0.1)
+    assert sampled(b, "alone", since) >= 1000  # a token every 10 ms step
+    team_times = sorted(
+        t for h in (a, b) for user in members for t in h.sampled_at(user)
+    )
+    assert_window_bound(team_times, TEAM_LIMIT, engines=2)
+    snapshot = a.scheduler.output_rate.metrics_snapshot()
+    assert snapshot["team_store"]["leases"] == 1
+    for _, _, refresher in ranks:
+        refresher.store.close()
+
+
+def test_a_team_limit_changed_on_one_rank_reaches_the_other(
+    tiny_model_path, redis_server, store_prefix
+) -> None:
+    clock = FakeClock(1_000 * S)
+    ranks = [
+        team_leased_scheduler(tiny_model_path, redis_server.url, store_prefix, clock)
+        for _ in range(2)
+    ]
+    (a, _, _), (b, _, _) = ranks
+    a.add("a1", max_tokens=5000)
+    b.add("b1", max_tokens=5000)
+    run_ranks(ranks, clock, 100)
+    policy = a.scheduler.output_rate
+    teams = policy.teams
+    policy.use_teams(dataclasses.replace(teams, rates={"t": 2 * TEAM_LIMIT}))
+    run_ranks(ranks, clock, 300)
+    other = b.scheduler.output_rate
+    assert other.limiter.rate_of("b1") == 2 * TEAM_LIMIT
+    assert other.metrics_snapshot()["teams"]["t"]["limit"] == 2 * TEAM_LIMIT
+    since = clock.now_ns - 2 * S
+    got = sum(sampled(h, u, since) for h, u in ((a, "a1"), (b, "b1")))
+    assert 0.95 * 2 * TEAM_LIMIT * 2 <= got <= 2 * TEAM_LIMIT * 2 + 2
+    # An admin change of another team on b writes that team only: it does
+    # not write back the limit b was configured with for "t".
+    new_team = {"output_tokens_per_second": 10.0, "members": ["b9"]}
+    other.update_limits({"teams": {"t9": new_team}})
+    run_ranks(ranks, clock, 300)
+    assert policy.limiter.rate_of("a1") == 2 * TEAM_LIMIT
+    assert other.limiter.rate_of("b1") == 2 * TEAM_LIMIT
+    assert policy.limiter.rate_of("b9") == FAR  # b9 is in t9 on b only
+    assert other.limiter.rate_of("b9") == 10.0
+    limits = other.limits_page(None)["limits"]["teams"]
+    assert limits["t"]["output_tokens_per_second"] == 2 * TEAM_LIMIT
+    for _, _, refresher in ranks:
+        refresher.store.close()
+
+
+def test_with_teams_the_scheduler_leases_the_teams_budget(
+    tiny_model_path, redis_server, store_prefix
+) -> None:
+    """Teams and a store: the teams' budget is leased under its own keys,
+    keyed by team, reported apart, and shutdown() stops its refresher."""
+    harness = make_scheduler(
+        tiny_model_path,
+        limits={
+            "default_user_output_tokens_per_second": 40.0,
+            "store_url": redis_server.url,
+            "store_key_prefix": store_prefix,
+            "teams": {"t": {"output_tokens_per_second": 30.0, "members": ["u"]}},
+        },
+    )
+    policy = harness.scheduler.output_rate
+    limiter = policy.limiter
+    assert isinstance(limiter, TeamBudget)
+    assert isinstance(limiter.users, LeasedLimiter)
+    assert isinstance(limiter.teams, LeasedLimiter)
+    assert limiter.teams.settings.key_prefix == store_prefix + ":team"
+    assert len(policy.on_close) == 2
+    harness.add("u", max_tokens=1000)
+    deadline = time.monotonic() + 5
+    while limiter.teams.lease_rate("t") is None and time.monotonic() < deadline:
+        harness.step()
+        time.sleep(0.01)
+    assert limiter.teams.lease_rate("t") == 30.0
+    assert limiter.rate_of("u") == 30.0
+    assert policy.users_snapshot(10)["team_store"]["leases"] == 1
+    client = RedisLeaseStore(limiter.teams.settings)
+    try:
+        assert client.read_limits().user_rates == {"t": 30.0}
     finally:
         client.close()
     harness.scheduler.shutdown()

@@ -112,7 +112,7 @@ class OutputRateCollector(Collector):
         shares = self._snapshot.get("fair_shares")
         if shares is not None:
             yield from fair_share_metrics(shares)
-        for key in ("store", "prompt_store"):
+        for key in ("store", "prompt_store", "team_store"):
             store = self._snapshot.get(key)
             if store is not None:
                 yield from store_metrics(store, key + "_")
@@ -198,7 +198,8 @@ def team_metrics(teams: dict[str, dict[str, float]]) -> Iterator[Any]:
 def store_metrics(store: dict[str, Any], name: str = "store_") -> Iterator[Any]:
     """The shared store's lease state of one budget (only when a store is
     configured): ``store_*`` for output tokens, ``prompt_store_*`` for
-    prompt tokens."""
+    prompt tokens, ``team_store_*`` for teams' output tokens (its "users"
+    are teams)."""
     gauges = {
         "degraded": "1 while this engine serves without the store (fallback)",
         "engines_seen": "Engines sharing the store at the last round trip",

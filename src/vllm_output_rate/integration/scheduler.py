@@ -34,13 +34,19 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
 from vllm_output_rate.seams import HOOK
 from vllm_output_rate.seams_check import check_host
-from vllm_output_rate.store.engine import prompt_store_settings, start_leasing
+from vllm_output_rate.store.engine import (
+    prompt_store_settings,
+    start_leasing,
+    team_store_settings,
+)
 from vllm_output_rate.store.settings import StoreSettings
+from vllm_output_rate.teams import Teams
 from vllm_output_rate.validation import OutputRateConfigError
 
 if TYPE_CHECKING:
@@ -59,13 +65,29 @@ def share_limits(
     vllm_config: VllmConfig,
 ) -> None:
     """Lease every budget from the shared store: output tokens and, when
-    set, prompt tokens (under keys of their own)."""
+    set, prompt tokens and teams' output tokens (under keys of their own;
+    the teams' from the first time teams are set, at start-up or later)."""
     parallel = vllm_config.parallel_config
     placement = {
         "data_parallel_rank": parallel.data_parallel_rank,
         "data_parallel_size": parallel.data_parallel_size,
         "logger": logger,
     }
+
+    def lease_team_budget(teams: Teams) -> Budget:
+        limiter, refresher = start_leasing(
+            # Every team has its own limit; the lowest stands in as the
+            # table's default (a team removed elsewhere gets no more).
+            min(teams.rates.values(), default=1.0),
+            teams.rates,
+            team_store_settings(store),
+            budget="per-team output-token",
+            **placement,
+        )
+        policy.on_close.append(refresher.stop)
+        return limiter
+
+    policy.lease_team_budget = lease_team_budget
     limiter, refresher = start_leasing(
         settings.default_rate, settings.user_rates, store, **placement
     )
@@ -76,7 +98,7 @@ def share_limits(
             prompt.default_rate,
             prompt.user_rates,
             prompt_store_settings(store),
-            budget="prompt",
+            budget="per-user prompt-token",
             # Prompt work comes in bursts: an engine keeps its share.
             lend_unused=False,
             **placement,

@@ -30,7 +30,9 @@ CHECK_INTERVAL_S = 1.0
 class TeamHolder(Protocol):
     """Who holds the teams in force (the policy)."""
 
-    teams: Teams | None
+    def current_teams(self) -> Teams | None:
+        """The teams in force, each limit as it is now."""
+        ...
 
     def use_teams(self, teams: Teams) -> None: ...
 
@@ -115,7 +117,7 @@ class LimitsFileWatcher:
             teams = None
             if team_holder is not None and (loaded.teams or self._file_teams):
                 stated = loaded.teams or Teams()
-                current = team_holder.teams or Teams()
+                current = team_holder.current_teams() or Teams()
                 # The file's teams it no longer states (unless already gone).
                 dropped = (
                     self._file_teams - stated.rates.keys()

@@ -98,8 +98,9 @@ class OperatorView:
             document[PROMPT_USERS_KEY] = {
                 u: prompt_rates[u] for u in page if u in prompt_rates
             }
-        if self.teams is not None:
-            document.update(self.teams.to_config())
+        teams = self.current_teams()
+        if teams is not None:
+            document.update(teams.to_config())
         return {
             "limits": document,
             "next": page[-1] if page and end < len(names) else None,
@@ -127,7 +128,7 @@ class OperatorView:
             return default if rate is None else rate
 
         check_floors(floors, ceiling_of, self.settings.engine_capacity, FLOORS_KEY)
-        teams = self.teams
+        teams = self.current_teams()
         if update.changes_teams:
             teams = changed_teams(teams, update.teams, update.remove_teams)
         check_team_floors(teams, floors)
@@ -147,6 +148,13 @@ class OperatorView:
             self.use_teams(teams)
         self.shortcuts.forget()
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
+
+    def current_teams(self) -> Teams | None:
+        """The teams, with each team's limit as the budget holds it now (with
+        a shared store, another engine may have changed it)."""
+        if isinstance(self.limiter, TeamBudget):
+            return self.limiter.current_teams()
+        return self.teams
 
     def use_teams(self, teams: Teams) -> None:
         """Charge members to ``teams`` from the next step on: the policy's
@@ -218,7 +226,8 @@ class OperatorView:
 
     def _with_store(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         """``snapshot`` plus the shared store's state, when there is one
-        (``prompt_store``: the prompt-token budget's leases)."""
+        (``prompt_store``: the prompt-token budget's leases; ``team_store``:
+        the teams')."""
         for key, budget in (
             ("store", self.limiter),
             ("prompt_store", self.prompt_limiter),
@@ -229,4 +238,8 @@ class OperatorView:
             store = budget.store_snapshot()
             if store is not None:
                 snapshot[key] = store
+        if isinstance(self.limiter, TeamBudget):
+            teams = self.limiter.team_store_snapshot()
+            if teams is not None:
+                snapshot["team_store"] = teams
         return snapshot

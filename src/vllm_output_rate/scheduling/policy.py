@@ -104,6 +104,10 @@ class OutputRatePolicy(OperatorView):
         # A fair share of each step's tokens when users' work exceeds them.
         self.share_step_tokens = settings.fair_step_tokens and chunked_prefill
         self.teams = settings.teams
+        # With a shared store: what leases the teams' budget from it (set by
+        # the scheduler before its first use), and that budget once leased.
+        self.lease_team_budget: Callable[[Teams], Budget] | None = None
+        self._shared_teams: Budget | None = None
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         # Prompt tokens computed per user (prompt_budget.py), when limited.
         prompt = settings.prompt_limits
@@ -153,7 +157,12 @@ class OutputRatePolicy(OperatorView):
         """Account against ``limiter`` from the next step on (and against
         each member's team's budget, with teams)."""
         if self.teams is not None:
-            limiter = TeamBudget(limiter, self.teams)
+            limiter = TeamBudget(
+                limiter,
+                self.teams,
+                shared=self._shared_team_budget(self.teams),
+                changes_of=lambda: self.demand.changes,
+            )
         self.limiter = limiter
         # No user can sample more tokens than requests are scheduled.
         self._max_tokens_per_step = (
@@ -170,6 +179,13 @@ class OutputRatePolicy(OperatorView):
             self.limiter.set_teams(teams)
         else:
             self.use_limiter(self.limiter)
+
+    def _shared_team_budget(self, teams: Teams) -> Budget | None:
+        """The teams' budget leased from the shared store (started on first
+        use); None without a store."""
+        if self._shared_teams is None and self.lease_team_budget is not None:
+            self._shared_teams = self.lease_team_budget(teams)
+        return self._shared_teams
 
     def use_prompt_limiter(self, limiter: Budget) -> None:
         """Account prompt tokens against ``limiter`` from the next step on."""

@@ -22,15 +22,24 @@ def open_store(settings: StoreSettings) -> LeaseStore:
     return RedisLeaseStore(settings)
 
 
-# Prompt-token limits are a second budget under their own keys
-# (``<prefix>:prompt``), leased and refreshed like the output ones.
+# Prompt-token limits and teams' output-token limits are budgets of their
+# own under their own keys (``<prefix>:prompt``, ``<prefix>:team``, keyed
+# by team), leased and refreshed like the users' output-token budget.
 PROMPT_KEYS_SUFFIX = ":prompt"
+TEAM_KEYS_SUFFIX = ":team"
 
 
 def prompt_store_settings(settings: StoreSettings) -> StoreSettings:
     """Where the prompt-token budget lives in the store ``settings`` name."""
     return dataclasses.replace(
         settings, key_prefix=settings.key_prefix + PROMPT_KEYS_SUFFIX
+    )
+
+
+def team_store_settings(settings: StoreSettings) -> StoreSettings:
+    """Where the teams' budget lives in the store ``settings`` name."""
+    return dataclasses.replace(
+        settings, key_prefix=settings.key_prefix + TEAM_KEYS_SUFFIX
     )
 
 
@@ -42,7 +51,7 @@ def start_leasing(
     data_parallel_rank: int,
     data_parallel_size: int,
     logger: logging.Logger,
-    budget: str = "output",
+    budget: str = "per-user output-token",
     lend_unused: bool = True,
 ) -> tuple[LeasedLimiter, Refresher]:
     """A leased limiter of one budget (``budget``: which, for the log) at
@@ -70,9 +79,9 @@ def start_leasing(
     refresher.run_once()
     refresher.start()
     logger.info(
-        "Per-user %s-token limits shared through %s (keys {%s}) as engine %s "
+        "%s limits shared through %s (keys {%s}) as engine %s "
         "(lease %g s, refresh %g s)",
-        budget,
+        budget[0].upper() + budget[1:],
         store_settings.display_url,
         store_settings.key_prefix,
         refresher.engine,
