@@ -86,3 +86,26 @@ def test_a_member_back_from_a_pause_is_not_owed_every_turn() -> None:
         received.update(limits.take_many({"a": 1, "b": 1}))
     # b does not get the next 50 tokens alone: they alternate at once.
     assert abs(received["a"] - received["b"]) <= 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    team_of=st.dictionaries(
+        st.sampled_from([f"u{i}" for i in range(40)]), st.sampled_from("pqr")
+    ),
+    got=st.dictionaries(
+        st.sampled_from([f"u{i}" for i in range(50)]), st.integers(0, 4)
+    ),
+)
+def test_a_teams_tokens_are_its_members_whichever_way_they_are_summed(
+    team_of, got
+) -> None:
+    """``_asked`` sums per member when few members took part and per team
+    when most did: both give each team its members' tokens."""
+    teams = Teams({team: 10.0 for team in set(team_of.values())}, team_of)
+    limits = TeamBudget(OutputRateLimiter(1.0, clock=FakeClock(0)), teams)
+    expected: Counter[str] = Counter()
+    for user, count in got.items():
+        if user in team_of and count:
+            expected[team_of[user]] += count
+    assert limits._asked(got) == dict(expected)

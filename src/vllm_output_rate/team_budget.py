@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable, KeysView, Mapping
+from itertools import repeat
 from typing import Any
 
 from vllm_output_rate.budget import Budget
@@ -58,6 +59,7 @@ class TeamBudget:
         self.users = users
         self.team_of = dict(teams.team_of)
         self.team_rates = dict(teams.rates)
+        self._members = _members_of(self.team_of)
         # Keyed by team name; no default rate is ever used (every team has
         # its own), so the first team's stands in for it.
         # (``is None``: a budget with no users yet has a length of 0.)
@@ -94,6 +96,7 @@ class TeamBudget:
         }
         self.team_of = dict(teams.team_of)
         self.team_rates = dict(teams.rates)
+        self._members = _members_of(self.team_of)
         self.teams.update_rates(user_rates=changed, remove_users=removed)
         self._demand_seen = None  # members moved: sum the demand again
         self.served = Counter(
@@ -150,27 +153,41 @@ class TeamBudget:
 
     def take_many(self, wanted: Mapping[str, int]) -> dict[str, int]:
         got = self.users.take_many(wanted)
-        team_of = self.team_of
-        if team_of.keys().isdisjoint(got):
+        if self.team_of.keys().isdisjoint(got):
             return got
-        by_team: dict[str, list[str]] = {}
-        asked: Counter[str] = Counter()
-        for user, count in got.items():
-            team = team_of.get(user)
-            if team is not None and count > 0:
-                by_team.setdefault(team, []).append(user)
-                asked[team] += count
+        asked = self._asked(got)
         if not asked:
             return got
         granted = self.teams.take_many(asked)
         self.charged.update(granted)
         unused: dict[str, int] = {}
-        for team, members in by_team.items():
-            if granted[team] < asked[team]:
+        for team, count in asked.items():
+            if granted[team] < count:
+                members = [u for u in self._members[team] if got.get(u, 0) > 0]
                 self._divide(granted[team], members, got, unused)
         if unused:
             self.users.refund_many(unused)
         return got
+
+    def _asked(self, got: Mapping[str, int]) -> dict[str, int]:
+        """Tokens each team's members got of the users' budget (teams whose
+        members got none left out)."""
+        if len(got) * 4 < len(self.team_of):
+            asked: Counter[str] = Counter()
+            team_of = self.team_of
+            for user, count in got.items():
+                team = team_of.get(user)
+                if team is not None and count > 0:
+                    asked[team] += count
+            return dict(asked)
+        # Most members took part (a full engine): a sum per team, with no
+        # Python step per member.
+        get = got.get
+        totals = {
+            team: sum(map(get, members, repeat(0)))
+            for team, members in self._members.items()
+        }
+        return {team: total for team, total in totals.items() if total > 0}
 
     def _divide(
         self,
@@ -304,3 +321,10 @@ class TeamBudget:
     def team_store_snapshot(self) -> dict[str, Any] | None:
         """The teams' leases, when they are shared through a store."""
         return self.teams.store_snapshot() if self.shared else None
+
+
+def _members_of(team_of: Mapping[str, str]) -> dict[str, list[str]]:
+    members: dict[str, list[str]] = {}
+    for user, team in team_of.items():
+        members.setdefault(team, []).append(user)
+    return members
