@@ -71,11 +71,13 @@ SERVED = st.dictionaries(USERS, st.integers(1, 4), max_size=5)
             st.integers(0, 3_000_000_000),
             # None: serve what the previous step served (steady decoding);
             # a list: the previous step's users with these counts
-            # (speculative decoding).
+            # (speculative decoding); a tuple: the previous step's users and
+            # these (a team's members taking turns beside a full batch).
             st.one_of(
                 st.none(),
                 SERVED,
                 st.lists(st.integers(1, 4), min_size=5, max_size=5),
+                st.tuples(SERVED),
             ),
         ),
         max_size=30,
@@ -84,7 +86,7 @@ SERVED = st.dictionaries(USERS, st.integers(1, 4), max_size=5)
     st.integers(1, 10),
 )
 def test_grouped_update_equals_a_per_user_count(
-    raw: list[tuple[int, dict[str, int] | list[int] | None]],
+    raw: list[tuple[int, dict[str, int] | list[int] | tuple[dict] | None]],
     recent_users: int,
     read_every: int,
 ) -> None:
@@ -97,6 +99,8 @@ def test_grouped_update_equals_a_per_user_count(
             served = previous
         elif isinstance(served, list):
             served = dict(zip(previous, served, strict=False))
+        elif isinstance(served, tuple):
+            served = {**previous, **served[0]}
         steps.append((now, Counter(served)))
     stats = OutputRateStats(NAMED, recent_users)
     for i, (now, served) in enumerate(steps):

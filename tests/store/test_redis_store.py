@@ -118,6 +118,38 @@ def test_limits_are_seeded_once_updated_and_versioned(store) -> None:
     assert ex.limits_version == 2 and ex.rates == {"x": 2.5, "gold": 50.0}
 
 
+def test_a_tables_members_are_seeded_updated_and_read_with_its_limits(
+    redis_server: RedisServer,
+) -> None:
+    """A teams' table: each member's team beside the teams' limits, seeded
+    once, changed in the same versioned update as the limits, and read back
+    with them; a user's name that looks like a field of the table stays a
+    name."""
+    client = RedisLeaseStore(
+        StoreSettings(url=redis_server.url, key_prefix="teams-" + str(id(object())))
+    )
+    try:
+        assert client.seed_limits(10.0, {"t": 30.0}, members={"a": "t", "u:x": "t"})
+        assert not client.seed_limits(10.0, {}, members={"zz": "t"})
+        limits = client.read_limits()
+        assert limits is not None
+        assert limits.user_rates == {"t": 30.0}
+        assert limits.members == {"a": "t", "u:x": "t"}
+        version = client.update_limits(
+            default_rate=None,
+            user_rates={"s": 5.0},
+            remove_users=[],
+            members={"b": "s", "a": "s"},
+            remove_members=["u:x"],
+        )
+        limits = client.read_limits()
+        assert limits is not None and limits.version == version == 2
+        assert limits.user_rates == {"t": 30.0, "s": 5.0}
+        assert limits.members == {"a": "s", "b": "s"}
+    finally:
+        client.close()
+
+
 def test_a_store_without_limits_says_so(redis_server: RedisServer) -> None:
     client = RedisLeaseStore(
         StoreSettings(url=redis_server.url, key_prefix="empty-" + str(id(object())))

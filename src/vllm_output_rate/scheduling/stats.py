@@ -141,6 +141,17 @@ class _LastStep:
         return created
 
 
+# At most this many users beyond the latest step's are recorded apart
+# (``_record_extended``) rather than starting a new ``_LastStep``.
+MAX_APART_USERS = 8
+
+
+def _extends(latest: Mapping[str, int], served: Mapping[str, int]) -> bool:
+    """Whether ``served`` holds every user of ``latest`` and a few more."""
+    extra = len(served) - len(latest)
+    return 0 < extra <= MAX_APART_USERS and latest.keys() <= served.keys()
+
+
 class OutputRateStats:
     def __init__(
         self, always_labeled: Iterable[str] = (), recent_users: int = 100
@@ -210,6 +221,8 @@ class OutputRateStats:
                 last.repeat(now_ns)
             elif last is not None and last.served.keys() == served.keys():
                 last.again(now_ns, served)
+            elif last is not None and _extends(last.served, served):
+                self._record_extended(now_ns, last, served)
             elif served:
                 self._record_served(now_ns, served)
         for user, count in refunded.items():
@@ -256,6 +269,33 @@ class OutputRateStats:
         for user, count in counts.items():
             self._stats(self.label_of(user)).prompt_tokens += count
             self._user(user, now_ns).prompt_tokens += count
+
+    def _record_extended(
+        self, now_ns: int, last: _LastStep, served: Mapping[str, int]
+    ) -> None:
+        """The latest step's users again and a few more (a team's members
+        taking turns beside a full batch): the latest step's as they were,
+        the few apart, user by user."""
+        core = dict(zip(last.users, map(served.__getitem__, last.users), strict=True))
+        if core == last.served:
+            last.repeat(now_ns)
+        else:
+            last.again(now_ns, core)
+        extra = served.keys() - core.keys()
+        names = list(served)
+        apart = sorted(extra, key=names.index)  # in the step's order
+        for user, label in zip(apart, self._labels_of(apart), strict=True):
+            count = served[user]
+            stats = self._stats(label)
+            stats.tokens_admitted += count
+            previous = self._last_dispatch_ns.get(user)
+            if previous is not None:
+                stats.gaps.observe(now_ns - previous)
+            # Its other tokens in the step: gaps of 0.
+            stats.gaps.buckets[0] += count - 1
+            stats.gaps.count += count - 1
+            self._user(user, now_ns).tokens_admitted += count
+            self._last_dispatch_ns[user] = now_ns
 
     def _record_served(self, now_ns: int, served: Mapping[str, int]) -> None:
         """Users served in the same earlier step share one gap, so gaps are
