@@ -24,8 +24,10 @@ a step's users it costs one set intersection more than without teams.
 
 The teams' limiter is embedded by default; with a shared store it is a
 second leased budget keyed by team (``shared``), so that one team's limit
-holds over every engine. Its demand is its members' unfinished requests,
-summed per team whenever they change.
+holds over every engine, and the store keeps the members beside the teams'
+limits: a change here is written there, one made elsewhere is adopted
+between steps. Its demand is its members' unfinished requests, summed per
+team whenever they change.
 """
 
 from __future__ import annotations
@@ -34,11 +36,23 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable, KeysView, Mapping
 from itertools import repeat
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.teams import Teams
+
+
+class SharedTeams(Budget, Protocol):
+    """A teams' budget shared through a store, which keeps the members too
+    (``store.leases.LeasedLimiter``)."""
+
+    members: dict[str, str]
+    on_members: Callable[[dict[str, str]], None] | None
+
+    def update_members(
+        self, members: Mapping[str, str], remove: Iterable[str] = ()
+    ) -> None: ...
 
 
 class TeamBudget:
@@ -49,7 +63,7 @@ class TeamBudget:
         users: Budget,
         teams: Teams,
         *,
-        shared: Budget | None = None,
+        shared: SharedTeams | None = None,
         changes_of: Callable[[], int] | None = None,
     ) -> None:
         """``shared``: the teams' budget leased from a store (keyed by team,
@@ -74,6 +88,9 @@ class TeamBudget:
             )
         )
         self.shared = shared is not None
+        self._shared = shared
+        if shared is not None:
+            shared.on_members = self._adopt_members
         self._changes_of = changes_of
         self._team_demand: dict[str, int] = {}
         self._demand_seen: object = None
@@ -94,6 +111,15 @@ class TeamBudget:
             for team, rate in teams.rates.items()
             if team not in self.team_rates or self.teams.rate_of(team) != rate
         }
+        if self._shared is not None:
+            moved = {
+                user: team
+                for user, team in teams.team_of.items()
+                if self.team_of.get(user) != team
+            }
+            left = [user for user in self.team_of if user not in teams.team_of]
+            if moved or left:
+                self._shared.update_members(moved, left)
         self.team_of = dict(teams.team_of)
         self.team_rates = dict(teams.rates)
         self._members = _members_of(self.team_of)
@@ -102,6 +128,17 @@ class TeamBudget:
         self.served = Counter(
             {user: count for user, count in self.served.items() if user in self.team_of}
         )
+
+    def _adopt_members(self, members: dict[str, str]) -> None:
+        """Another engine changed the members (read from the store, with the
+        teams' limits, which were adopted first)."""
+        self.team_rates = dict(self.teams.user_rates)
+        self.team_of = {u: t for u, t in members.items() if t in self.team_rates}
+        self._members = _members_of(self.team_of)
+        self.served = Counter(
+            {user: count for user, count in self.served.items() if user in self.team_of}
+        )
+        self._demand_seen = None
 
     # ----- what the policy reads ------------------------------------------
 

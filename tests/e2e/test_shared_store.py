@@ -302,7 +302,7 @@ def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
         "teams": {
             "crew": {
                 "output_tokens_per_second": 2 * TEAM_RATE,
-                "members": ["late-user"],
+                "members": ["late-user", "new-member"],
             }
         },
     }
@@ -314,7 +314,11 @@ def test_an_admin_change_on_one_server_reaches_the_other_within_a_second(
         if (
             limits["user_output_tokens_per_second"].get("late-user") == 12.5
             and limits["user_prompt_tokens_per_second"].get("late-user") == 700
-            and limits["teams"]["crew"]["output_tokens_per_second"] == 2 * TEAM_RATE
+            and limits["teams"]["crew"]
+            == {
+                "output_tokens_per_second": 2 * TEAM_RATE,
+                "members": ["late-user", "new-member"],
+            }
         ):
             break
         time.sleep(0.05)

@@ -24,6 +24,7 @@ from vllm_output_rate.store.redis_store import RedisLeaseStore
 from vllm_output_rate.store.refresher import Refresher
 from vllm_output_rate.store.settings import StoreSettings
 from vllm_output_rate.team_budget import TeamBudget
+from vllm_output_rate.teams import Teams
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -249,11 +250,25 @@ def team_leased_scheduler(model: str, url: str, prefix: str, clock: FakeClock):
     )
     policy = harness.scheduler.output_rate
     settings = team_store_settings(StoreSettings(url=url, key_prefix=prefix))
-    leased = LeasedLimiter(TEAM_LIMIT, {"t": TEAM_LIMIT}, settings, clock=clock)
-    refresher = Refresher(leased, RedisLeaseStore(settings), f"rank-{id(harness)}")
-    policy.lease_team_budget = lambda teams: leased
+    leased: list[LeasedLimiter] = []
+
+    def lease(teams: Teams) -> LeasedLimiter:
+        leased.append(
+            LeasedLimiter(
+                min(teams.rates.values()),
+                teams.rates,
+                settings,
+                clock=clock,
+                members=teams.team_of,
+            )
+        )
+        return leased[0]
+
+    policy.lease_team_budget = lease
     policy.use_limiter(policy.limiter.users)  # the team budget, leased now
-    return harness, leased, refresher
+    (limiter,) = leased
+    refresher = Refresher(limiter, RedisLeaseStore(settings), f"rank-{id(harness)}")
+    return harness, limiter, refresher
 
 
 def test_two_ranks_share_one_teams_limit(
@@ -321,8 +336,8 @@ def test_a_team_limit_changed_on_one_rank_reaches_the_other(
     run_ranks(ranks, clock, 300)
     assert policy.limiter.rate_of("a1") == 2 * TEAM_LIMIT
     assert other.limiter.rate_of("b1") == 2 * TEAM_LIMIT
-    assert policy.limiter.rate_of("b9") == FAR  # b9 is in t9 on b only
-    assert other.limiter.rate_of("b9") == 10.0
+    # The new team and its member reached a too.
+    assert policy.limiter.rate_of("b9") == other.limiter.rate_of("b9") == 10.0
     limits = other.limits_page(None)["limits"]["teams"]
     assert limits["t"]["output_tokens_per_second"] == 2 * TEAM_LIMIT
     for _, _, refresher in ranks:
@@ -365,3 +380,36 @@ def test_with_teams_the_scheduler_leases_the_teams_budget(
         client.close()
     harness.scheduler.shutdown()
     assert not policy.on_close
+
+
+def test_members_changed_on_one_rank_reach_the_other(
+    tiny_model_path, redis_server, store_prefix
+) -> None:
+    """Membership is in the store beside the teams' limits: a member added
+    on one rank is charged to its team on the other, a member removed there
+    is not, and the limits route of the other shows the members."""
+    clock = FakeClock(1_000 * S)
+    ranks = [
+        team_leased_scheduler(tiny_model_path, redis_server.url, store_prefix, clock)
+        for _ in range(2)
+    ]
+    (a, _, _), (b, _, _) = ranks
+    a.add("a1", max_tokens=5000)
+    b.add("b2", max_tokens=5000)
+    run_ranks(ranks, clock, 100)
+    other = b.scheduler.output_rate
+    assert other.limiter.rate_of("b2") == FAR  # in no team yet
+    members = ["a1", "b1", "b2"]  # a2 leaves, b2 joins
+    team = {"output_tokens_per_second": TEAM_LIMIT, "members": members}
+    a.scheduler.output_rate.update_limits({"teams": {"t": team}})
+    run_ranks(ranks, clock, 300)
+    assert other.limiter.rate_of("b2") == TEAM_LIMIT
+    assert other.limiter.rate_of("a2") == FAR
+    limits = other.limits_page(None)["limits"]["teams"]
+    assert limits["t"]["members"] == members
+    # b2 is charged to the team on b: a1 and b2 share its limit.
+    since = clock.now_ns - 2 * S
+    got = sampled(a, "a1", since) + sampled(b, "b2", since)
+    assert 0.9 * TEAM_LIMIT * 2 <= got <= TEAM_LIMIT * 2 + 2
+    for _, _, refresher in ranks:
+        refresher.store.close()

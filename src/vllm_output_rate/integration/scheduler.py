@@ -34,7 +34,6 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_output_rate.budget import Budget
 from vllm_output_rate.config import OutputRateSettings
 from vllm_output_rate.scheduling.engine_modes import EngineModes
 from vllm_output_rate.scheduling.policy import OutputRatePolicy
@@ -46,6 +45,7 @@ from vllm_output_rate.store.engine import (
     team_store_settings,
 )
 from vllm_output_rate.store.settings import StoreSettings
+from vllm_output_rate.team_budget import SharedTeams
 from vllm_output_rate.teams import Teams
 from vllm_output_rate.validation import OutputRateConfigError
 
@@ -74,7 +74,7 @@ def share_limits(
         "logger": logger,
     }
 
-    def lease_team_budget(teams: Teams) -> Budget:
+    def lease_team_budget(teams: Teams) -> SharedTeams:
         limiter, refresher = start_leasing(
             # Every team has its own limit; the lowest stands in as the
             # table's default (a team removed elsewhere gets no more).
@@ -82,6 +82,7 @@ def share_limits(
             teams.rates,
             team_store_settings(store),
             budget="per-team output-token",
+            members=teams.team_of,
             **placement,
         )
         policy.on_close.append(refresher.stop)

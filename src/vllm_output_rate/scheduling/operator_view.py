@@ -203,7 +203,8 @@ class OperatorView:
         now_ns = self.limiter.now_ns()
         users, cursor, total = self.stats.users_page(now_ns, limit, after)
         prompt = self.prompt_limiter
-        team_of = self.teams.team_of if self.teams is not None else {}
+        teams = self.current_teams()
+        team_of = teams.team_of if teams is not None else {}
         for user, view in users.items():
             view["limit"] = self.limiter.rate_of(user)
             if prompt is not None:

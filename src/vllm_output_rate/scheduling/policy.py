@@ -51,7 +51,7 @@ from vllm_output_rate.scheduling.shortcuts import layers_for
 from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step import Step, StepMode, StepRules
 from vllm_output_rate.scheduling.step_budget import StepBudget
-from vllm_output_rate.team_budget import TeamBudget
+from vllm_output_rate.team_budget import SharedTeams, TeamBudget
 from vllm_output_rate.teams import Teams
 
 if TYPE_CHECKING:
@@ -106,8 +106,8 @@ class OutputRatePolicy(OperatorView):
         self.teams = settings.teams
         # With a shared store: what leases the teams' budget from it (set by
         # the scheduler before its first use), and that budget once leased.
-        self.lease_team_budget: Callable[[Teams], Budget] | None = None
-        self._shared_teams: Budget | None = None
+        self.lease_team_budget: Callable[[Teams], SharedTeams] | None = None
+        self._shared_teams: SharedTeams | None = None
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         # Prompt tokens computed per user (prompt_budget.py), when limited.
         prompt = settings.prompt_limits
@@ -180,7 +180,7 @@ class OutputRatePolicy(OperatorView):
         else:
             self.use_limiter(self.limiter)
 
-    def _shared_team_budget(self, teams: Teams) -> Budget | None:
+    def _shared_team_budget(self, teams: Teams) -> SharedTeams | None:
         """The teams' budget leased from the shared store (started on first
         use); None without a store."""
         if self._shared_teams is None and self.lease_team_budget is not None:

@@ -53,10 +53,12 @@ def start_leasing(
     logger: logging.Logger,
     budget: str = "per-user output-token",
     lend_unused: bool = True,
+    members: Mapping[str, str] | None = None,
 ) -> tuple[LeasedLimiter, Refresher]:
     """A leased limiter of one budget (``budget``: which, for the log) at
     these limits, and its running refresher (``lend_unused``:
-    ``lease_table.LeaseTable``). The first round runs before
+    ``lease_table.LeaseTable``; ``members``: ``LeasedLimiter``'s). The
+    first round runs before
     this returns, so an engine that reaches the store starts with its
     limits; one that does not starts serving at its fallback share (the
     start-up check in the API server has already refused that when the
@@ -69,6 +71,7 @@ def start_leasing(
         engines_hint=data_parallel_size,
         logger=logger,
         lend_unused=lend_unused,
+        members=members,
     )
     refresher = Refresher(
         limiter,

@@ -65,7 +65,11 @@ class LeasedLimiter(LeasePacing):
         clock: Callable[[], int] = time.monotonic_ns,
         logger: logging.Logger | None = None,
         lend_unused: bool = True,
+        members: Mapping[str, str] | None = None,
     ) -> None:
+        """``members``: each member's group, kept in the store beside a
+        table keyed by group (a teams' budget); ``on_members`` is called
+        with them (scheduler thread) when another engine changed them."""
         self.settings = settings
         self.pacer = OutputRateLimiter(default_rate, burst_ns=burst_ns, clock=clock)
         self._clock = clock
@@ -90,6 +94,9 @@ class LeasedLimiter(LeasePacing):
         self._has_requests: Callable[[], bool] = lambda: True
         self._results: list[Posted] = []
         self._writes: list[LimitsWrite] = []
+        # Replaced whole, never changed in place (the refresher copies it).
+        self.members: dict[str, str] = dict(members or {})
+        self.on_members: Callable[[dict[str, str]], None] | None = None
 
     # ----- an operator's change (the rest of the Budget interface) ---------
 
@@ -122,6 +129,20 @@ class LeasedLimiter(LeasePacing):
             else write.default_rate,
             overrides,
         )
+        with self._lock:
+            self._writes.append(write)
+        self.kick.set()
+
+    def update_members(
+        self, members: Mapping[str, str], remove: Iterable[str] = ()
+    ) -> None:
+        """An operator's change of members: applied here at once and written
+        to the store for every other engine."""
+        write = LimitsWrite(None, {}, (), dict(members), tuple(remove))
+        changed = {
+            m: g for m, g in self.members.items() if m not in write.remove_members
+        }
+        self.members = changed | write.members
         with self._lock:
             self._writes.append(write)
         self.kick.set()
@@ -175,6 +196,7 @@ class LeasedLimiter(LeasePacing):
                 table.limits_version,
                 writes,
                 (table.default_rate, dict(table.user_rates)),
+                dict(self.members),
             )
 
     def finish_round(
@@ -283,6 +305,10 @@ class LeasedLimiter(LeasePacing):
             )
             self._apply_limits(limits.default_rate, dict(limits.user_rates))
         table.limits_version = limits.version
+        if limits.members != self.members:
+            self.members = dict(limits.members)
+            if self.on_members is not None:
+                self.on_members(self.members)
 
     def _set_rates(self, rates: RateChanges) -> None:
         if rates:

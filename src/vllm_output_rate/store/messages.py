@@ -15,7 +15,7 @@ docs/architecture.md, "The shared store".
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 UNBOUNDED = -1.0  # a want: this engine could use more than it has
@@ -56,6 +56,9 @@ class StoredLimits:
     version: int
     default_rate: float
     user_rates: dict[str, float]
+    # Each member's group, beside a table keyed by group (a teams' budget:
+    # member -> team); empty for the users' budgets.
+    members: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +68,8 @@ class LimitsWrite:
     default_rate: float | None
     user_rates: dict[str, float]
     remove_users: tuple[str, ...]
+    members: dict[str, str] = field(default_factory=dict)
+    remove_members: tuple[str, ...] = ()
 
 
 @dataclass
@@ -76,6 +81,7 @@ class Round:
     limits_known: int  # the limits version this engine has applied
     writes: list[LimitsWrite]
     seed: tuple[float, dict[str, float]]  # our limits, for an empty store
+    seed_members: dict[str, str] = field(default_factory=dict)  # and members
 
 
 class LeaseStore(Protocol):
@@ -98,8 +104,14 @@ class LeaseStore(Protocol):
         stands in for the store's clock (simulations only)."""
         ...
 
-    def seed_limits(self, default_rate: float, user_rates: Mapping[str, float]) -> bool:
-        """Store these limits unless the store has some; True if stored."""
+    def seed_limits(
+        self,
+        default_rate: float,
+        user_rates: Mapping[str, float],
+        members: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Store these limits (and members) unless the store has some; True
+        if stored."""
         ...
 
     def update_limits(
@@ -108,9 +120,12 @@ class LeaseStore(Protocol):
         default_rate: float | None,
         user_rates: Mapping[str, float],
         remove_users: Sequence[str],
+        members: Mapping[str, str] | None = None,
+        remove_members: Sequence[str] = (),
     ) -> int:
-        """Apply a change to the stored limits; return the new version, or
-        -1 when the store holds no limits (seed them first)."""
+        """Apply a change to the stored limits (and members), in one new
+        version; return it, or -1 when the store holds no limits (seed them
+        first)."""
         ...
 
     def read_limits(self) -> StoredLimits | None:

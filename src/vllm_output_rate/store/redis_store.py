@@ -201,27 +201,34 @@ end
 return reply
 """
 
+# The table's fields: ``u:<user>`` a limit, ``m:<member>`` a member's group
+# (a teams' table), ``_default`` and ``_version``. The scripts take fields
+# named whole.
+USER_FIELD, MEMBER_FIELD = "u:", "m:"
+
 # Write the limits only where there are none yet (a new or restarted store).
+# ARGV: default, (field, value)...
 SEED_LUA = r"""
 if redis.call('HEXISTS', KEYS[1], '_version') == 1 then return 0 end
 redis.call('HSET', KEYS[1], '_default', ARGV[1])
 for i = 2, #ARGV, 2 do
-  redis.call('HSET', KEYS[1], 'u:' .. ARGV[i], ARGV[i + 1])
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[1], '_version', 1)
 return 1
 """
 
-# ARGV: default ('' to keep), number of users set, (user, rate)..., users removed...
+# ARGV: default ('' to keep), number of fields set, (field, value)...,
+# fields removed...
 UPDATE_LUA = r"""
 if redis.call('HEXISTS', KEYS[1], '_version') == 0 then return -1 end
 if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], '_default', ARGV[1]) end
 local n = tonumber(ARGV[2])
 for i = 0, n - 1 do
-  redis.call('HSET', KEYS[1], 'u:' .. ARGV[3 + 2 * i], ARGV[4 + 2 * i])
+  redis.call('HSET', KEYS[1], ARGV[3 + 2 * i], ARGV[4 + 2 * i])
 end
 for i = 3 + 2 * n, #ARGV do
-  redis.call('HDEL', KEYS[1], 'u:' .. ARGV[i])
+  redis.call('HDEL', KEYS[1], ARGV[i])
 end
 return redis.call('HINCRBY', KEYS[1], '_version', 1)
 """
@@ -335,11 +342,19 @@ class RedisLeaseStore:
                 f"the lease script ({exc}): is it a Redis-compatible server?"
             ) from None
 
-    def seed_limits(self, default_rate: float, user_rates: Mapping[str, float]) -> bool:
-        """Store these limits unless the store has some; True if stored."""
+    def seed_limits(
+        self,
+        default_rate: float,
+        user_rates: Mapping[str, float],
+        members: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Store these limits (and members) unless the store has some; True
+        if stored."""
         args = [_fmt(default_rate)]
         for user, rate in user_rates.items():
-            args += [user, _fmt(rate)]
+            args += [USER_FIELD + user, _fmt(rate)]
+        for member, group in (members or {}).items():
+            args += [MEMBER_FIELD + member, group]
         return bool(
             self._call("seeding limits", self._seed, keys=[self._limits_key], args=args)
         )
@@ -350,14 +365,20 @@ class RedisLeaseStore:
         default_rate: float | None,
         user_rates: Mapping[str, float],
         remove_users: Sequence[str],
+        members: Mapping[str, str] | None = None,
+        remove_members: Sequence[str] = (),
     ) -> int:
-        """Apply a change to the stored limits; return the new version, or
-        -1 when the store holds no limits (seed them first)."""
+        """Apply a change to the stored limits (and members), in one new
+        version; return it, or -1 when the store holds no limits (seed them
+        first)."""
+        fields = [(USER_FIELD + user, _fmt(rate)) for user, rate in user_rates.items()]
+        fields += [(MEMBER_FIELD + m, group) for m, group in (members or {}).items()]
         args: list[str] = ["" if default_rate is None else _fmt(default_rate)]
-        args.append(str(len(user_rates)))
-        for user, rate in user_rates.items():
-            args += [user, _fmt(rate)]
-        args += list(remove_users)
+        args.append(str(len(fields)))
+        for name, value in fields:
+            args += [name, value]
+        args += [USER_FIELD + user for user in remove_users]
+        args += [MEMBER_FIELD + member for member in remove_members]
         return int(
             self._call(
                 "a limits update", self._update, keys=[self._limits_key], args=args
@@ -372,9 +393,16 @@ class RedisLeaseStore:
         users = {
             key[2:]: float(value)
             for key, value in table.items()
-            if key.startswith("u:")
+            if key.startswith(USER_FIELD)
         }
-        return StoredLimits(int(table["_version"]), float(table["_default"]), users)
+        members = {
+            key[2:]: value
+            for key, value in table.items()
+            if key.startswith(MEMBER_FIELD)
+        }
+        return StoredLimits(
+            int(table["_version"]), float(table["_default"]), users, members
+        )
 
     def leave(self, engine: str) -> None:
         """Deregister (a clean shutdown); leases lapse on their own."""

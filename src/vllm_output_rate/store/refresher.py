@@ -82,7 +82,7 @@ class Refresher:
         if exchange.limits_version < 0:
             # This engine's limits (an operator's changes included).
             default_rate, user_rates = round_.seed
-            if store.seed_limits(default_rate, user_rates):
+            if store.seed_limits(default_rate, user_rates, round_.seed_members):
                 self._logger.info(
                     "Output rate store %s held no limits: stored this engine's",
                     self.limiter.settings.display_url,
@@ -94,6 +94,8 @@ class Refresher:
                 default_rate=write.default_rate,
                 user_rates=write.user_rates,
                 remove_users=write.remove_users,
+                members=write.members,
+                remove_members=write.remove_members,
             )
         limits = None
         if version != round_.limits_known:
