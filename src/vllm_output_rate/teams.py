@@ -16,13 +16,15 @@ takes the same JSON; they layer team by team (``layered_teams``)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_output_rate.fair_settings import MAX_WEIGHT
 from vllm_output_rate.validation import (
     OutputRateConfigError,
     parsed_json,
+    validate_number,
     validate_rate,
     validate_user_name,
 )
@@ -32,7 +34,9 @@ REMOVE_TEAMS_KEY = "remove_teams"  # the admin API's: teams to drop
 TEAMS_FLAG = "--output-rate-teams"
 TEAM_RATE_KEY = "output_tokens_per_second"
 MEMBERS_KEY = "members"
-TEAM_KEYS = (TEAM_RATE_KEY, MEMBERS_KEY)
+TEAM_WEIGHT_KEY = "weight"  # in the fair shares of a full engine (default 1)
+TEAM_KEYS = (TEAM_RATE_KEY, MEMBERS_KEY, TEAM_WEIGHT_KEY)
+DEFAULT_TEAM_WEIGHT = 1.0
 # More teams or members than this is a configuration mistake, not a use.
 MAX_TEAMS = 100_000
 MAX_MEMBERS = 1_000_000
@@ -40,10 +44,12 @@ MAX_MEMBERS = 1_000_000
 
 @dataclass(frozen=True)
 class Teams:
-    """Each team's limit (tok/s) and each member's team."""
+    """Each team's limit (tok/s), each member's team, and each team's
+    weight where it is not the default."""
 
     rates: Mapping[str, float] = field(default_factory=dict)
     team_of: Mapping[str, str] = field(default_factory=dict)
+    weights: Mapping[str, float] = field(default_factory=dict)
 
     def to_config(self) -> dict[str, Any]:
         """The ``teams`` key of ``additional_config['output_rate']``."""
@@ -53,6 +59,11 @@ class Teams:
         return {
             TEAMS_KEY: {
                 team: {TEAM_RATE_KEY: rate, MEMBERS_KEY: members[team]}
+                | (
+                    {TEAM_WEIGHT_KEY: self.weights[team]}
+                    if team in self.weights
+                    else {}
+                )
                 for team, rate in self.rates.items()
             }
         }
@@ -84,6 +95,7 @@ def parse_teams(value: object, where: str) -> Teams | None:
         raise OutputRateConfigError(f"{where}: more than {MAX_TEAMS:,} teams")
     rates: dict[str, float] = {}
     team_of: dict[str, str] = {}
+    weights: dict[str, float] = {}
     for name, team in value.items():
         team_name = validate_user_name(name, f"{where}: team name")
         at = f"{where}[{name!r}]"
@@ -95,13 +107,22 @@ def parse_teams(value: object, where: str) -> Teams | None:
         if unknown:
             raise OutputRateConfigError(
                 f"{at}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"a team has {TEAM_RATE_KEY!r} and {MEMBERS_KEY!r}"
+                f"a team has {TEAM_RATE_KEY!r}, {MEMBERS_KEY!r} and {TEAM_WEIGHT_KEY!r}"
             )
         if TEAM_RATE_KEY not in team:
             raise OutputRateConfigError(f"{at}: {TEAM_RATE_KEY!r} is missing")
         rates[team_name] = validate_rate(
             team[TEAM_RATE_KEY], f"{at}[{TEAM_RATE_KEY!r}]"
         )
+        if TEAM_WEIGHT_KEY in team:
+            at_weight = f"{at}[{TEAM_WEIGHT_KEY!r}]"
+            weight = validate_number(team[TEAM_WEIGHT_KEY], at_weight)
+            if weight > MAX_WEIGHT:
+                raise OutputRateConfigError(
+                    f"{at_weight} must be at most {MAX_WEIGHT:g}, got {weight:g}"
+                )
+            if weight != DEFAULT_TEAM_WEIGHT:
+                weights[team_name] = weight
         members = team.get(MEMBERS_KEY, [])
         if not isinstance(members, list):
             raise OutputRateConfigError(
@@ -112,7 +133,7 @@ def parse_teams(value: object, where: str) -> Teams | None:
             _join(team_of, user, team_name, at)
         if len(team_of) > MAX_MEMBERS:
             raise OutputRateConfigError(f"{where}: more than {MAX_MEMBERS:,} members")
-    return Teams(rates, team_of)
+    return Teams(rates, team_of, weights)
 
 
 def changed_teams(
@@ -134,7 +155,11 @@ def changed_teams(
     }
     for user, team in given.team_of.items():
         _join(team_of, user, team, f"{TEAMS_KEY}[{team!r}]")
-    return Teams(rates, team_of)
+    weights = {
+        t: w for t, w in current.weights.items() if t in rates and t not in given.rates
+    }
+    weights.update(given.weights)
+    return Teams(rates, team_of, weights)
 
 
 def layered_teams(lower: Teams | None, upper: Teams | None) -> Teams | None:
@@ -145,7 +170,7 @@ def layered_teams(lower: Teams | None, upper: Teams | None) -> Teams | None:
     if lower is None or upper is None:
         return upper if lower is None else lower
     moved = {u: t for u, t in lower.team_of.items() if u not in upper.team_of}
-    return changed_teams(Teams(lower.rates, moved), upper, ())
+    return changed_teams(Teams(lower.rates, moved, lower.weights), upper, ())
 
 
 def check_team_floors(teams: Teams | None, floors: Mapping[str, float]) -> None:
@@ -164,3 +189,23 @@ def check_team_floors(teams: Teams | None, floors: Mapping[str, float]) -> None:
                 f"team {team!r}: its members' floors add up to {total:g} tok/s, "
                 f"above the team's limit of {teams.rates[team]:g} tok/s"
             )
+
+
+def member_weights(
+    teams: Teams, user_weight: Callable[[str], float], active: Iterable[str]
+) -> dict[str, float]:
+    """Each active member's weight in the fair shares of a full engine: its
+    team's weight, split between the team's active members by their own
+    weights (users in no team keep theirs: not listed)."""
+    by_team: dict[str, list[str]] = {}
+    team_of = teams.team_of
+    for user in active:
+        team = team_of.get(user)
+        if team is not None:
+            by_team.setdefault(team, []).append(user)
+    weights: dict[str, float] = {}
+    for team, members in by_team.items():
+        own = [user_weight(user) for user in members]
+        share = teams.weights.get(team, DEFAULT_TEAM_WEIGHT) / sum(own)
+        weights.update(zip(members, (w * share for w in own), strict=True))
+    return weights

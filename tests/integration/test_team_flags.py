@@ -76,7 +76,10 @@ def test_teams_need_output_limiting(parser, tiny_model_path: str) -> None:
         ('{"t": {"members": ["a"]}}', "'output_tokens_per_second' is missing"),
         ('{"t": {"output_tokens_per_second": 0}}', "finite number > 0"),
         ('{"t": {"output_tokens_per_second": 5, "members": "a"}}', "list of user"),
-        ('{"t": {"output_tokens_per_second": 5, "weight": 2}}', "unknown key"),
+        ('{"t": {"output_tokens_per_second": 5, "priority": 2}}', "unknown key"),
+        ('{"t": {"output_tokens_per_second": 5, "weight": 0}}', "weight"),
+        ('{"t": {"output_tokens_per_second": 5, "weight": "x"}}', "weight"),
+        ('{"t": {"output_tokens_per_second": 5, "weight": 1e9}}', "at most"),
         ('{"t": {"output_tokens_per_second": 5, "members": ["a\\u0007"]}}', "control"),
         ('{"": {"output_tokens_per_second": 5}}', "must not be empty"),
         (

@@ -131,7 +131,8 @@ def workload(seed: int) -> Workload:
 def crowd(seed: int) -> Workload:
     """Tens of users, hundreds of requests, half as many active slots, most
     users covered (a few limits, weights, sometimes a floor or priority
-    scheduling), users arriving and requests ending while it runs."""
+    scheduling, teams in half of them), users arriving and requests ending
+    while it runs."""
     rng = random.Random(seed)
     users = [f"c{i}" for i in range(rng.randint(20, 60))]
     limits: dict[str, Any] = {"default_user_output_tokens_per_second": FREE}
@@ -143,6 +144,20 @@ def crowd(seed: int) -> Workload:
     if rng.random() < 0.25:
         limits["user_min_output_tokens_per_second"] = {users[1]: 40.0}
     policy = "priority" if rng.random() < 0.2 else "fcfs"
+    # Half the crowds have teams (hierarchical shares), drawn apart so that
+    # the rest of the workload stays what it was.
+    team_rng = random.Random(seed + 10_000)
+    if team_rng.random() < 0.5:
+        names = [f"t{i}" for i in range(team_rng.randint(2, 4))]
+        teams: dict[str, dict[str, Any]] = {
+            name: {"output_tokens_per_second": FREE, "members": []} for name in names
+        }
+        for user in users:
+            if team_rng.random() < 0.6:
+                teams[team_rng.choice(names)]["members"].append(user)
+        if team_rng.random() < 0.5:
+            teams[names[0]]["weight"] = 3.0
+        limits["teams"] = teams
     initial = [
         (
             user,

@@ -92,3 +92,81 @@ def test_two_teams_are_apart(limited) -> None:
 def test_without_teams_the_budget_is_the_users_alone(limited) -> None:
     h = limited(100.0)
     assert not isinstance(h.scheduler.output_rate.limiter, TeamBudget)
+
+
+def saturated(limited, teams, streams: dict[str, int], *, shortcuts: bool = True):
+    """Every user far below its limit, 4 active slots for all the streams:
+    who gets a slot is the fair shares' call alone."""
+    h = limited(
+        100_000.0,
+        teams=teams,
+        shortcuts=shortcuts,
+        max_num_active_seqs=4,
+        max_num_seqs=sum(streams.values()),
+    )
+    for user, count in streams.items():
+        for _ in range(count):
+            h.add(user, max_tokens=100_000)
+    for _ in range(100):
+        h.step(STEP_NS)
+    start = len(h.dispatches)
+    for _ in range(400):
+        h.step(STEP_NS)
+    got: dict[str, int] = {}
+    for d in h.dispatches[start:]:
+        if d.samples:
+            got[d.user] = got.get(d.user, 0) + 1
+    return got
+
+
+@pytest.mark.parametrize("shortcuts", [True, False], ids=["shortcuts", "reference"])
+def test_a_full_engine_shares_between_teams_then_within_them(
+    limited, shortcuts
+) -> None:
+    """Fair shares are hierarchical: a team of four and a user in no team
+    get half of a full engine each (by users alone the four would get four
+    fifths), and the four share their team's half evenly."""
+    members = ("m1", "m2", "m3", "m4")
+    got = saturated(
+        limited,
+        {"big": team(100_000.0, *members)},
+        {"solo": 4, **dict.fromkeys(members, 4)},
+        shortcuts=shortcuts,
+    )
+    total = sum(got.values())  # 4 slots x 400 steps
+    team_tokens = sum(got[m] for m in members)
+    assert got["solo"] == pytest.approx(total / 2, rel=0.05)
+    assert team_tokens == pytest.approx(total / 2, rel=0.05)
+    for member in members:
+        assert got[member] == pytest.approx(team_tokens / 4, rel=0.1)
+
+
+def test_team_weights_divide_a_full_engine(limited) -> None:
+    """Teams weigh as users do: a team at weight 3 gets three quarters
+    beside a team at weight 1, whatever their sizes."""
+    heavy = {**team(100_000.0, "h1"), "weight": 3.0}
+    light = team(100_000.0, "l1", "l2", "l3")
+    got = saturated(
+        limited,
+        {"heavy": heavy, "light": light},
+        {"h1": 4, "l1": 4, "l2": 4, "l3": 4},
+    )
+    total = sum(got.values())
+    assert got["h1"] == pytest.approx(0.75 * total, rel=0.05)
+
+
+def test_a_teams_weight_is_read_and_changed_with_the_team(limited) -> None:
+    h = limited(100.0, teams={"t": {**team(50.0, "a", "b"), "weight": 2.0}})
+    policy = h.scheduler.output_rate
+    h.add("a", max_tokens=100)
+    h.add("b", max_tokens=100)
+    h.step(STEP_NS)
+    assert policy.fair.weight("a") == policy.fair.weight("b") == 1.0  # 2 / 2
+    page = policy.limits_page(None)["limits"]["teams"]
+    assert page["t"] == {"output_tokens_per_second": 50.0, "members": ["a", "b"],
+                         "weight": 2.0}  # fmt: skip
+    policy.update_limits({"teams": {"t": team(50.0, "a", "b")}})  # weight 1
+    h.step(STEP_NS)
+    assert policy.fair.weight("a") == 0.5
+    assert "weight" not in policy.limits_page(None)["limits"]["teams"]["t"]
+    assert policy.fair.weights == {}  # as configured: no user weights

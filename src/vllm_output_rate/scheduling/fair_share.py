@@ -54,8 +54,13 @@ class FairShare:
         weights: Mapping[str, float] | None = None,
         floors: Mapping[str, float] | None = None,
     ) -> None:
+        # As configured; ``_ranked`` is what the ranking reads: these, with
+        # team members' weights from their team's over them
+        # (``set_member_weights``).
         self.weights: dict[str, float] = dict(weights or {})
         self.floors: dict[str, float] = dict(floors or {})
+        self._members: dict[str, float] = {}
+        self._ranked: dict[str, float] = dict(self.weights)
         # Virtual service per user (tokens / weight), read through service().
         self._service: dict[str, float] = {}
         self.level = 0.0
@@ -67,6 +72,11 @@ class FairShare:
     # ----- settings -----------------------------------------------------
 
     def weight(self, user: str) -> float:
+        """The weight ``user`` is ranked with."""
+        return self._ranked.get(user, DEFAULT_WEIGHT)
+
+    def own_weight(self, user: str) -> float:
+        """``user``'s weight as configured (a member's own, in its team)."""
         return self.weights.get(user, DEFAULT_WEIGHT)
 
     def update(
@@ -83,6 +93,16 @@ class FairShare:
             self._credit.pop(user, None)
         self.weights.update(weights or {})
         self.floors.update(floors or {})
+        self._ranked = self.weights | self._members
+
+    def set_member_weights(self, weights: Mapping[str, float]) -> bool:
+        """Team members' weights, over their own (``teams.member_weights``),
+        from the next step on; whether they changed."""
+        if weights == self._members:
+            return False
+        self._members = dict(weights)
+        self._ranked = self.weights | self._members
+        return True
 
     # ----- ranking ------------------------------------------------------
 
@@ -98,7 +118,7 @@ class FairShare:
 
     def weights_of(self, users: Iterable[str]) -> list[float]:
         """``weight`` of each of ``users`` (no Python call each)."""
-        return list(map(self.weights.get, users, repeat(DEFAULT_WEIGHT)))
+        return list(map(self._ranked.get, users, repeat(DEFAULT_WEIGHT)))
 
     def credit(self, user: str) -> float:
         return self._credit.get(user, 0.0)
@@ -116,7 +136,7 @@ class FairShare:
         return (
             0 if below else 1,
             (own if own > level else level)
-            + (k - turn_left) / self.weights.get(user, DEFAULT_WEIGHT),
+            + (k - turn_left) / self._ranked.get(user, DEFAULT_WEIGHT),
             last_served,
         )
 
@@ -148,7 +168,7 @@ class FairShare:
         """Add a step's service: output tokens and prompt tokens computed.
         Returns a bound on how much one user's counter grew (the largest
         output charge plus the largest prompt charge)."""
-        service, level, weights = self._service, self.level, self.weights
+        service, level, weights = self._service, self.level, self._ranked
         grown = 0.0
         for counts, cost in ((output_tokens, 1.0), (prompt_tokens, PREFILL_TOKEN_COST)):
             largest = 0.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Collection
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_output_rate.budget import Budget
@@ -153,7 +154,8 @@ class OperatorView:
         """The teams, with each team's limit as the budget holds it now (with
         a shared store, another engine may have changed it)."""
         if isinstance(self.limiter, TeamBudget):
-            return self.limiter.current_teams()
+            weights = self.teams.weights if self.teams is not None else {}
+            return replace(self.limiter.current_teams(), weights=weights)
         return self.teams
 
     def use_teams(self, teams: Teams) -> None:

@@ -20,7 +20,7 @@ vLLM's output and ``finish_step`` settles the step (``settling.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,7 @@ from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step import Step, StepMode, StepRules
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.team_budget import SharedTeams, TeamBudget
-from vllm_output_rate.teams import Teams
+from vllm_output_rate.teams import Teams, member_weights
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -107,6 +107,7 @@ class OutputRatePolicy(OperatorView):
         # With a shared store: what leases the teams' budget from it (set by
         # the scheduler before its first use), and that budget once leased.
         self.lease_team_budget: Callable[[Teams], SharedTeams] | None = None
+        self._members_seen: object = None  # _share_within_teams
         self._shared_teams: SharedTeams | None = None
         self.use_limiter(OutputRateLimiter(settings.default_rate, settings.user_rates))
         # Prompt tokens computed per user (prompt_budget.py), when limited.
@@ -229,6 +230,8 @@ class OutputRatePolicy(OperatorView):
             self._logger.info("Limits file reloaded: %s", self.limits_summary())
         self.accounting.give_back(self.limiter, self._logger)
         unfinished = self.demand.count_unfinished(host.finished_req_ids, host.requests)
+        if self.teams is not None:
+            self._share_within_teams(unfinished)
         self.limiter.between_steps(unfinished, self.demand.generation)
         if self.prompt_limiter is not None:
             # Prompt leases follow the same requests as output ones: a share
@@ -270,6 +273,21 @@ class OutputRatePolicy(OperatorView):
         elif not self.shortcuts.plan(self, step, crowded) and contested:
             planning.plan_contested(self, step, crowded)
         return step
+
+    def _share_within_teams(self, unfinished: Mapping[str, int]) -> None:
+        """Fair shares are hierarchical: each team weighs as its weight, split
+        between its members with unfinished requests by their own weights
+        (looked at again when users come or go, or teams change)."""
+        limiter, teams = self.limiter, self.teams
+        assert teams is not None and isinstance(limiter, TeamBudget)
+        seen = (self.demand.generation, id(teams), id(limiter.team_of))
+        if seen == self._members_seen:
+            return
+        self._members_seen = seen
+        current = Teams(team_of=limiter.team_of, weights=teams.weights)
+        weights = member_weights(current, self.fair.own_weight, unfinished)
+        if self.fair.set_member_weights(weights):
+            self.shortcuts.forget()  # what they kept was ranked by the old
 
     def _prompt_step(self) -> PromptStep | None:
         """The step's prompt-token reservation, for users with a prompt rate;
