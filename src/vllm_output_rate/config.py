@@ -178,7 +178,7 @@ class OutputRateSettings:
             file_teams(settings.config_file),
             parse_teams(section.get(TEAMS_KEY), f"{where}[{TEAMS_KEY!r}]"),
         )
-        check_team_floors(teams, settings.user_floors)
+        check_team_floors(teams, settings.user_floors, settings.engine_capacity)
         return replace(
             settings,
             teams=teams,

@@ -35,7 +35,8 @@ TEAMS_FLAG = "--output-rate-teams"
 TEAM_RATE_KEY = "output_tokens_per_second"
 MEMBERS_KEY = "members"
 TEAM_WEIGHT_KEY = "weight"  # in the fair shares of a full engine (default 1)
-TEAM_KEYS = (TEAM_RATE_KEY, MEMBERS_KEY, TEAM_WEIGHT_KEY)
+TEAM_FLOOR_KEY = "min_output_tokens_per_second"  # the members' together
+TEAM_KEYS = (TEAM_RATE_KEY, MEMBERS_KEY, TEAM_WEIGHT_KEY, TEAM_FLOOR_KEY)
 DEFAULT_TEAM_WEIGHT = 1.0
 # More teams or members than this is a configuration mistake, not a use.
 MAX_TEAMS = 100_000
@@ -44,29 +45,27 @@ MAX_MEMBERS = 1_000_000
 
 @dataclass(frozen=True)
 class Teams:
-    """Each team's limit (tok/s), each member's team, and each team's
-    weight where it is not the default."""
+    """Each team's limit (tok/s), each member's team, each team's weight
+    where it is not the default, and each team's floor where it has one."""
 
     rates: Mapping[str, float] = field(default_factory=dict)
     team_of: Mapping[str, str] = field(default_factory=dict)
     weights: Mapping[str, float] = field(default_factory=dict)
+    floors: Mapping[str, float] = field(default_factory=dict)
 
     def to_config(self) -> dict[str, Any]:
         """The ``teams`` key of ``additional_config['output_rate']``."""
         members: dict[str, list[str]] = {team: [] for team in self.rates}
         for user, team in sorted(self.team_of.items()):
             members[team].append(user)
-        return {
-            TEAMS_KEY: {
-                team: {TEAM_RATE_KEY: rate, MEMBERS_KEY: members[team]}
-                | (
-                    {TEAM_WEIGHT_KEY: self.weights[team]}
-                    if team in self.weights
-                    else {}
-                )
-                for team, rate in self.rates.items()
-            }
-        }
+        teams: dict[str, dict[str, Any]] = {}
+        for team, rate in self.rates.items():
+            teams[team] = {TEAM_RATE_KEY: rate, MEMBERS_KEY: members[team]}
+            if team in self.weights:
+                teams[team][TEAM_WEIGHT_KEY] = self.weights[team]
+            if team in self.floors:
+                teams[team][TEAM_FLOOR_KEY] = self.floors[team]
+        return {TEAMS_KEY: teams}
 
 
 def _join(team_of: dict[str, str], user: str, team: str, where: str) -> None:
@@ -96,6 +95,7 @@ def parse_teams(value: object, where: str) -> Teams | None:
     rates: dict[str, float] = {}
     team_of: dict[str, str] = {}
     weights: dict[str, float] = {}
+    floors: dict[str, float] = {}
     for name, team in value.items():
         team_name = validate_user_name(name, f"{where}: team name")
         at = f"{where}[{name!r}]"
@@ -107,7 +107,7 @@ def parse_teams(value: object, where: str) -> Teams | None:
         if unknown:
             raise OutputRateConfigError(
                 f"{at}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"a team has {TEAM_RATE_KEY!r}, {MEMBERS_KEY!r} and {TEAM_WEIGHT_KEY!r}"
+                f"a team has {', '.join(map(repr, TEAM_KEYS))}"
             )
         if TEAM_RATE_KEY not in team:
             raise OutputRateConfigError(f"{at}: {TEAM_RATE_KEY!r} is missing")
@@ -123,6 +123,15 @@ def parse_teams(value: object, where: str) -> Teams | None:
                 )
             if weight != DEFAULT_TEAM_WEIGHT:
                 weights[team_name] = weight
+        if TEAM_FLOOR_KEY in team:
+            at_floor = f"{at}[{TEAM_FLOOR_KEY!r}]"
+            floor = validate_rate(team[TEAM_FLOOR_KEY], at_floor)
+            if floor > rates[team_name]:
+                raise OutputRateConfigError(
+                    f"{at_floor}: {floor:g} tok/s is above the team's limit of "
+                    f"{rates[team_name]:g} tok/s"
+                )
+            floors[team_name] = floor
         members = team.get(MEMBERS_KEY, [])
         if not isinstance(members, list):
             raise OutputRateConfigError(
@@ -133,7 +142,7 @@ def parse_teams(value: object, where: str) -> Teams | None:
             _join(team_of, user, team_name, at)
         if len(team_of) > MAX_MEMBERS:
             raise OutputRateConfigError(f"{where}: more than {MAX_MEMBERS:,} members")
-    return Teams(rates, team_of, weights)
+    return Teams(rates, team_of, weights, floors)
 
 
 def changed_teams(
@@ -155,11 +164,12 @@ def changed_teams(
     }
     for user, team in given.team_of.items():
         _join(team_of, user, team, f"{TEAMS_KEY}[{team!r}]")
-    weights = {
-        t: w for t, w in current.weights.items() if t in rates and t not in given.rates
-    }
+    kept = [t for t in current.rates if t in rates and t not in given.rates]
+    weights = {t: current.weights[t] for t in kept if t in current.weights}
+    floors = {t: current.floors[t] for t in kept if t in current.floors}
     weights.update(given.weights)
-    return Teams(rates, team_of, weights)
+    floors.update(given.floors)
+    return Teams(rates, team_of, weights, floors)
 
 
 def layered_teams(lower: Teams | None, upper: Teams | None) -> Teams | None:
@@ -170,14 +180,24 @@ def layered_teams(lower: Teams | None, upper: Teams | None) -> Teams | None:
     if lower is None or upper is None:
         return upper if lower is None else lower
     moved = {u: t for u, t in lower.team_of.items() if u not in upper.team_of}
-    return changed_teams(Teams(lower.rates, moved, lower.weights), upper, ())
+    lower = Teams(lower.rates, moved, lower.weights, lower.floors)
+    return changed_teams(lower, upper, ())
 
 
-def check_team_floors(teams: Teams | None, floors: Mapping[str, float]) -> None:
+def check_team_floors(
+    teams: Teams | None, floors: Mapping[str, float], capacity: float | None = None
+) -> None:
     """A team's limit must hold its members' floors (tok/s each is promised
-    whatever else runs): refused otherwise."""
+    whatever else runs), and the engine's declared ``capacity`` the users'
+    floors and the teams' together: refused otherwise."""
     if teams is None:
         return
+    total = sum(floors.values()) + sum(teams.floors.values())
+    if capacity is not None and teams.floors and total > capacity:
+        raise OutputRateConfigError(
+            f"users' and teams' floors sum to {total:g} tok/s, more than the "
+            f"engine capacity of {capacity:g} tok/s"
+        )
     promised: dict[str, float] = {}
     for user, floor in floors.items():
         team = teams.team_of.get(user)
@@ -191,12 +211,13 @@ def check_team_floors(teams: Teams | None, floors: Mapping[str, float]) -> None:
             )
 
 
-def member_weights(
+def member_shares(
     teams: Teams, user_weight: Callable[[str], float], active: Iterable[str]
-) -> dict[str, float]:
-    """Each active member's weight in the fair shares of a full engine: its
-    team's weight, split between the team's active members by their own
-    weights (users in no team keep theirs: not listed)."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each active member's weight in the fair shares of a full engine, and
+    its part of its team's floor: the team's, split between the team's
+    active members by their own weights (users in no team keep theirs: not
+    listed)."""
     by_team: dict[str, list[str]] = {}
     team_of = teams.team_of
     for user in active:
@@ -204,8 +225,13 @@ def member_weights(
         if team is not None:
             by_team.setdefault(team, []).append(user)
     weights: dict[str, float] = {}
+    floors: dict[str, float] = {}
     for team, members in by_team.items():
         own = [user_weight(user) for user in members]
-        share = teams.weights.get(team, DEFAULT_TEAM_WEIGHT) / sum(own)
-        weights.update(zip(members, (w * share for w in own), strict=True))
-    return weights
+        parts = [w / sum(own) for w in own]
+        team_weight = teams.weights.get(team, DEFAULT_TEAM_WEIGHT)
+        weights.update(zip(members, (team_weight * p for p in parts), strict=True))
+        floor = teams.floors.get(team)
+        if floor is not None:
+            floors.update(zip(members, (floor * p for p in parts), strict=True))
+    return weights, floors

@@ -11,7 +11,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from harness.vllm_cli import engine_settings, parse_engine_args, vllm_parser
 from vllm_output_rate.config import OutputRateSettings
-from vllm_output_rate.teams import TEAMS_FLAG, Teams, parse_teams
+from vllm_output_rate.teams import TEAMS_FLAG, Teams, check_team_floors, parse_teams
 from vllm_output_rate.validation import OutputRateConfigError
 
 FLAG = "--default-user-output-tokens-per-second"
@@ -80,6 +80,14 @@ def test_teams_need_output_limiting(parser, tiny_model_path: str) -> None:
         ('{"t": {"output_tokens_per_second": 5, "weight": 0}}', "weight"),
         ('{"t": {"output_tokens_per_second": 5, "weight": "x"}}', "weight"),
         ('{"t": {"output_tokens_per_second": 5, "weight": 1e9}}', "at most"),
+        (
+            '{"t": {"output_tokens_per_second": 5, "min_output_tokens_per_second": 6}}',
+            "above the team's limit",
+        ),
+        (
+            '{"t": {"output_tokens_per_second": 5, "min_output_tokens_per_second": -1}}',
+            "finite number > 0",
+        ),
         ('{"t": {"output_tokens_per_second": 5, "members": ["a\\u0007"]}}', "control"),
         ('{"": {"output_tokens_per_second": 5}}', "must not be empty"),
         (
@@ -139,3 +147,13 @@ def test_a_limits_files_teams_under_the_flags(
         {"filed": 7.0, "research": 100.0},
         {"c": "filed", "a": "research", "b": "research"},
     )
+
+
+def test_team_floors_beyond_the_engines_capacity_are_refused() -> None:
+    teams = parse_teams(
+        '{"t": {"output_tokens_per_second": 500, "min_output_tokens_per_second": 300}}',
+        TEAMS_FLAG,
+    )
+    check_team_floors(teams, {"u": 100.0}, capacity=1000.0)
+    with pytest.raises(OutputRateConfigError, match="more than the engine capacity"):
+        check_team_floors(teams, {"u": 100.0}, capacity=350.0)

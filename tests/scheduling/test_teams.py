@@ -11,6 +11,7 @@ from harness.bounds import MS, S, assert_window_bound
 from vllm_output_rate.team_budget import TeamBudget
 
 STEP_NS = 10 * MS
+FAR_LIMIT = 100_000.0
 SECONDS = 10
 
 
@@ -170,3 +171,38 @@ def test_a_teams_weight_is_read_and_changed_with_the_team(limited) -> None:
     assert policy.fair.weight("a") == 0.5
     assert "weight" not in policy.limits_page(None)["limits"]["teams"]["t"]
     assert policy.fair.weights == {}  # as configured: no user weights
+
+
+@pytest.mark.parametrize("shortcuts", [True, False], ids=["shortcuts", "reference"])
+def test_a_teams_floor_holds_for_its_members_together(limited, shortcuts) -> None:
+    """A hog weighing 20 saturates a full engine (4 slots, 400 tok/s); a
+    team of two with a 60 tok/s floor gets it together (by weight alone, a
+    fifteenth of the engine), split between them, and not much more."""
+    small = {**team(100_000.0, "s1", "s2"), "min_output_tokens_per_second": 60.0}
+    h = limited(
+        FAR_LIMIT,
+        weights={"hog": 20.0},
+        teams={"small": small},
+        shortcuts=shortcuts,
+        max_num_seqs=36,
+        max_num_active_seqs=4,
+    )
+    for _ in range(32):
+        h.add("hog", max_tokens=100_000)
+    for user in ("s1", "s2"):
+        for _ in range(2):
+            h.add(user, max_tokens=100_000)
+    run(h, 1.0)
+    start = len(h.dispatches)
+    run(h, 3.0)
+    got: dict[str, int] = {}
+    for d in h.dispatches[start:]:
+        if d.samples:
+            got[d.user] = got.get(d.user, 0) + 1
+    assert sum(got.values()) == 4 * 300  # the engine stays full
+    together = got.get("s1", 0) + got.get("s2", 0)
+    assert 60 * 3 - 6 <= together <= 60 * 3 + 6
+    assert got["s1"] == pytest.approx(got["s2"], abs=8)
+    fair = h.scheduler.output_rate.fair
+    assert fair.ranked_floors == {"s1": 30.0, "s2": 30.0}
+    assert fair.floors == {}  # as configured: no user floors

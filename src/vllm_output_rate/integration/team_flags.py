@@ -54,5 +54,5 @@ def with_team_flags(
     if settings is None:
         raise OutputRateConfigError(f"{TEAMS_FLAG} needs {DEFAULT_FLAG}")
     teams = layered_teams(settings.teams, teams)
-    check_team_floors(teams, settings.user_floors)
+    check_team_floors(teams, settings.user_floors, settings.engine_capacity)
     return replace(settings, teams=teams)

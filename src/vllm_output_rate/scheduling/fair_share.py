@@ -61,6 +61,10 @@ class FairShare:
         self.floors: dict[str, float] = dict(floors or {})
         self._members: dict[str, float] = {}
         self._ranked: dict[str, float] = dict(self.weights)
+        # Floors kept: the configured ones, and team members' parts of their
+        # team's floor over them (the larger).
+        self._member_floors: dict[str, float] = {}
+        self.ranked_floors: dict[str, float] = dict(self.floors)
         # Virtual service per user (tokens / weight), read through service().
         self._service: dict[str, float] = {}
         self.level = 0.0
@@ -93,16 +97,27 @@ class FairShare:
             self._credit.pop(user, None)
         self.weights.update(weights or {})
         self.floors.update(floors or {})
-        self._ranked = self.weights | self._members
+        self._rank_with_members()
 
-    def set_member_weights(self, weights: Mapping[str, float]) -> bool:
-        """Team members' weights, over their own (``teams.member_weights``),
-        from the next step on; whether they changed."""
-        if weights == self._members:
+    def set_member_shares(
+        self, weights: Mapping[str, float], floors: Mapping[str, float]
+    ) -> bool:
+        """Team members' weights, over their own, and their parts of their
+        team's floor (``teams.member_shares``), from the next step on;
+        whether they changed."""
+        if weights == self._members and floors == self._member_floors:
             return False
-        self._members = dict(weights)
-        self._ranked = self.weights | self._members
+        self._members, self._member_floors = dict(weights), dict(floors)
+        self._rank_with_members()
         return True
+
+    def _rank_with_members(self) -> None:
+        self._ranked = self.weights | self._members
+        kept = dict(self.floors)
+        for user, floor in self._member_floors.items():
+            if floor > kept.get(user, 0.0):
+                kept[user] = floor
+        self.ranked_floors = kept
 
     # ----- ranking ------------------------------------------------------
 
@@ -206,11 +221,11 @@ class FairShare:
         """Floors: credit the time since the last step, spend what was
         received, count time a whole burst behind."""
         last, self._last_ns = self._last_ns, now_ns
-        if not self.floors:
+        if not self.ranked_floors:
             return
         elapsed = 0 if last is None else min(now_ns - last, MAX_CREDIT_GAP_NS)
         credit = self._credit
-        for user, floor in self.floors.items():
+        for user, floor in self.ranked_floors.items():
             if not unfinished.get(user):
                 credit.pop(user, None)
                 continue
@@ -229,7 +244,7 @@ class FairShare:
     def snapshot(self, user: str) -> dict[str, float]:
         """A user's fair-share state for the stats endpoint."""
         view = {"weight": self.weight(user), "virtual_service": self.service(user)}
-        floor = self.floors.get(user)
+        floor = self.ranked_floors.get(user)
         if floor is not None:
             view["floor"] = floor
             view["below_floor_seconds"] = self.below_floor_ns.get(user, 0) / NS_PER_S

@@ -123,7 +123,7 @@ class LimitsFileWatcher:
                     self._file_teams - stated.rates.keys()
                 ) & current.rates.keys()
                 teams = changed_teams(current, stated, dropped)
-                check_team_floors(teams, new_floors)
+                check_team_floors(teams, new_floors, self._capacity)
         except OutputRateConfigError as exc:
             self._on_error(f"limits file not reloaded: {exc}")
             return False

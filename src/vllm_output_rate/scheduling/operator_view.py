@@ -132,7 +132,7 @@ class OperatorView:
         teams = self.current_teams()
         if update.changes_teams:
             teams = changed_teams(teams, update.teams, update.remove_teams)
-        check_team_floors(teams, floors)
+        check_team_floors(teams, floors, self.settings.engine_capacity)
         limiter.update_rates(
             default_rate=update.default_rate,
             user_rates=update.user_rates,

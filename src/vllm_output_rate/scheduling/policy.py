@@ -52,7 +52,7 @@ from vllm_output_rate.scheduling.stats import OutputRateStats
 from vllm_output_rate.scheduling.step import Step, StepMode, StepRules
 from vllm_output_rate.scheduling.step_budget import StepBudget
 from vllm_output_rate.team_budget import SharedTeams, TeamBudget
-from vllm_output_rate.teams import Teams, member_weights
+from vllm_output_rate.teams import Teams, member_shares
 
 if TYPE_CHECKING:
     from vllm_output_rate.seams import SchedulerHost
@@ -275,18 +275,19 @@ class OutputRatePolicy(OperatorView):
         return step
 
     def _share_within_teams(self, unfinished: Mapping[str, int]) -> None:
-        """Fair shares are hierarchical: each team weighs as its weight, split
-        between its members with unfinished requests by their own weights
-        (looked at again when users come or go, or teams change)."""
+        """Fair shares are hierarchical: each team weighs as its weight, and
+        its floor holds for its members together, each split between its
+        members with unfinished requests by their own weights (looked at
+        again when users come or go, or teams change)."""
         limiter, teams = self.limiter, self.teams
         assert teams is not None and isinstance(limiter, TeamBudget)
         seen = (self.demand.generation, id(teams), id(limiter.team_of))
         if seen == self._members_seen:
             return
         self._members_seen = seen
-        current = Teams(team_of=limiter.team_of, weights=teams.weights)
-        weights = member_weights(current, self.fair.own_weight, unfinished)
-        if self.fair.set_member_weights(weights):
+        current = replace(teams, team_of=limiter.team_of)
+        shares = member_shares(current, self.fair.own_weight, unfinished)
+        if self.fair.set_member_shares(*shares):
             self.shortcuts.forget()  # what they kept was ranked by the old
 
     def _prompt_step(self) -> PromptStep | None:

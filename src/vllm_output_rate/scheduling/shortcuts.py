@@ -144,7 +144,7 @@ class Shortcuts:
             return False
         if len(host.requests) != kept.requests or len(host.running) != kept.running:
             return False
-        floors = policy.fair.floors
+        floors = policy.fair.ranked_floors
         if floors and not floors.keys().isdisjoint(policy.demand.unfinished):
             return False  # floor credit grows with time: rank again
         return kept.ranks_first
@@ -161,8 +161,8 @@ class Shortcuts:
             not step.budget.covers_demand
             or host.policy != SchedulingPolicy.FCFS
             or (
-                fair.floors
-                and not fair.floors.keys().isdisjoint(policy.demand.unfinished)
+                fair.ranked_floors
+                and not fair.ranked_floors.keys().isdisjoint(policy.demand.unfinished)
             )
             or len(host.running) + sum(waiting.values()) <= active
         ):
