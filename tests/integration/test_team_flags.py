@@ -85,7 +85,8 @@ def test_teams_need_output_limiting(parser, tiny_model_path: str) -> None:
             "above the team's limit",
         ),
         (
-            '{"t": {"output_tokens_per_second": 5, "min_output_tokens_per_second": -1}}',
+            '{"t": {"output_tokens_per_second": 5,'
+            ' "min_output_tokens_per_second": -1}}',
             "finite number > 0",
         ),
         ('{"t": {"output_tokens_per_second": 5, "members": ["a\\u0007"]}}', "control"),

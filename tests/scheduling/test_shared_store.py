@@ -271,6 +271,12 @@ def team_leased_scheduler(model: str, url: str, prefix: str, clock: FakeClock):
     return harness, limiter, refresher
 
 
+def two_team_ranks(model: str, url: str, prefix: str):
+    """Two ranks with the same team on one store, on one fake clock."""
+    clock = FakeClock(1_000 * S)
+    return clock, [team_leased_scheduler(model, url, prefix, clock) for _ in range(2)]
+
+
 def test_two_ranks_share_one_teams_limit(
     tiny_model_path, redis_server, store_prefix
 ) -> None:
@@ -278,11 +284,7 @@ def test_two_ranks_share_one_teams_limit(
     (one budget in the store, keyed by team), shared by their demand (3
     streams on one rank, 1 on the other), while a user in no team gets its
     own limit."""
-    clock = FakeClock(1_000 * S)
-    ranks = [
-        team_leased_scheduler(tiny_model_path, redis_server.url, store_prefix, clock)
-        for _ in range(2)
-    ]
+    clock, ranks = two_team_ranks(tiny_model_path, redis_server.url, store_prefix)
     (a, _, _), (b, _, _) = ranks
     assert isinstance(a.scheduler.output_rate.limiter, TeamBudget)
     for user in ("a1", "a1", "a2"):
@@ -310,11 +312,7 @@ def test_two_ranks_share_one_teams_limit(
 def test_a_team_limit_changed_on_one_rank_reaches_the_other(
     tiny_model_path, redis_server, store_prefix
 ) -> None:
-    clock = FakeClock(1_000 * S)
-    ranks = [
-        team_leased_scheduler(tiny_model_path, redis_server.url, store_prefix, clock)
-        for _ in range(2)
-    ]
+    clock, ranks = two_team_ranks(tiny_model_path, redis_server.url, store_prefix)
     (a, _, _), (b, _, _) = ranks
     a.add("a1", max_tokens=5000)
     b.add("b1", max_tokens=5000)
@@ -388,11 +386,7 @@ def test_members_changed_on_one_rank_reach_the_other(
     """Membership is in the store beside the teams' limits: a member added
     on one rank is charged to its team on the other, a member removed there
     is not, and the limits route of the other shows the members."""
-    clock = FakeClock(1_000 * S)
-    ranks = [
-        team_leased_scheduler(tiny_model_path, redis_server.url, store_prefix, clock)
-        for _ in range(2)
-    ]
+    clock, ranks = two_team_ranks(tiny_model_path, redis_server.url, store_prefix)
     (a, _, _), (b, _, _) = ranks
     a.add("a1", max_tokens=5000)
     b.add("b2", max_tokens=5000)
