@@ -87,7 +87,6 @@ class TeamBudget:
                 clock=users.now_ns,
             )
         )
-        self.shared = shared is not None
         self._shared = shared
         if shared is not None:
             shared.on_members = self._adopt_members
@@ -334,7 +333,7 @@ class TeamBudget:
 
     def between_steps(self, demand: Mapping[str, int], generation: object) -> None:
         self.users.between_steps(demand, generation)
-        if not self.shared:
+        if self._shared is None:
             return
         seen = (generation, self._changes_of() if self._changes_of else None)
         if seen != self._demand_seen:
@@ -357,7 +356,7 @@ class TeamBudget:
 
     def team_store_snapshot(self) -> dict[str, Any] | None:
         """The teams' leases, when they are shared through a store."""
-        return self.teams.store_snapshot() if self.shared else None
+        return None if self._shared is None else self._shared.store_snapshot()
 
 
 def _members_of(team_of: Mapping[str, str]) -> dict[str, list[str]]:
