@@ -17,6 +17,7 @@ import pytest
 
 from harness.bounds import assert_window_bound
 from harness.counting_limiter import CountingLimiter
+from harness.redis_server import RedisServer
 from harness.scheduler_sim import FakeClock, SchedulerHarness, make_scheduler
 from vllm_output_rate.store.engine import prompt_store_settings, team_store_settings
 from vllm_output_rate.store.leases import LeasedLimiter
@@ -407,3 +408,42 @@ def test_members_changed_on_one_rank_reach_the_other(
     assert 0.9 * TEAM_LIMIT * 2 <= got <= TEAM_LIMIT * 2 + 2
     for _, _, refresher in ranks:
         refresher.store.close()
+
+
+def test_a_shared_user_is_not_paused_when_a_restarted_store_answers(
+    tiny_model_path, store_prefix
+) -> None:
+    """The store dies and comes back empty. It grants the first engine to
+    ask a user's whole limit, while that engine keeps the user at its
+    fallback share for a lease period (resume.py): asking for no more than
+    that share, it leaves the rest to the other engine at once, so the user
+    is never paused on either, and the bound holds over both."""
+    with RedisServer() as server:
+        clock = FakeClock(1_000 * S)
+        ranks = [
+            leased_scheduler(tiny_model_path, server.url, store_prefix, clock, False)
+            for _ in range(2)
+        ]
+        (a, _, _), (b, _, _) = ranks
+        for _ in range(3):
+            a.add("u", max_tokens=100_000)
+        b.add("u", max_tokens=100_000)
+        run_ranks(ranks, clock, 300)
+        server.kill()
+        run_ranks(ranks, clock, 500)  # past a lease period: fallback shares
+        server.start()
+        up = clock.now_ns
+        run_ranks(ranks, clock, 400)
+        for harness in (a, b):
+            for half in range(8):  # 4 s after the store came back
+                since = up + half * S // 2
+                got = sampled(harness, "u", since) - sampled(
+                    harness, "u", since + S // 2
+                )
+                # At least b's share (1/4 of the limit) on each, every half
+                # second: 12 or 13 tokens.
+                assert got >= 0.9 * LIMIT / 4 / 2, (half, got)
+        both = sorted(a.sampled_at("u") + b.sampled_at("u"))
+        assert_window_bound(both, LIMIT, engines=2)
+        for _, _, refresher in ranks:
+            refresher.store.close()

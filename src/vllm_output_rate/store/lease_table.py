@@ -161,7 +161,7 @@ class LeaseTable:
         leases = self.leases
         asks: dict[str, LeaseAsk] = {}
         for user in demand.keys() - leases.keys():
-            asks[user] = LeaseAsk(user, demand[user])
+            asks[user] = LeaseAsk(user, demand[user], self._want_cap(user, now))
         due: Iterable[str]
         if self._renew_all or self.degraded:
             self._renew_all = False
@@ -178,6 +178,9 @@ class LeaseTable:
                 self._schedule(user, lease, self.refresh_ns, now)
                 continue  # idle for a moment: ask nothing, keep the share
             want = lease.report_want(now, weight) if self.lend_unused else UNBOUNDED
+            cap = self._want_cap(user, now)
+            if cap != UNBOUNDED and (want == UNBOUNDED or want > cap):
+                want = cap
             asks[user] = LeaseAsk(user, weight, want)
             lease.weight = weight
             if weight == 0:
@@ -185,6 +188,16 @@ class LeaseTable:
                 del leases[user]
                 self.shared.discard(user)
         return list(asks.values())
+
+    def _want_cap(self, user: str, now: int) -> float:
+        """The most ``user`` may use of a lease now: its fallback share while
+        this engine serves without the store or holds it to that share after
+        the store came back (``resume.py``); then it asks for no more, and the
+        store leaves the rest to the other engines at once."""
+        if self.degraded:
+            return self.fallback_rate(user)
+        cap = self.resume_caps.cap(user, now)
+        return UNBOUNDED if cap is None else cap
 
     def _pop_due(self, now: int) -> list[str]:
         heap, due = self._renewals, []
