@@ -206,3 +206,19 @@ def test_a_teams_floor_holds_for_its_members_together(limited, shortcuts) -> Non
     fair = h.scheduler.output_rate.fair
     assert fair.ranked_floors == {"s1": 30.0, "s2": 30.0}
     assert fair.floors == {}  # as configured: no user floors
+
+
+def test_a_change_of_one_team_keeps_the_others_weight_and_floor(limited) -> None:
+    """The admin API replaces the teams it names whole; the others keep
+    their weight and floor, on the limits route and in the ranking."""
+    kept = {**team(50.0, "a"), "weight": 2.0, "min_output_tokens_per_second": 20.0}
+    h = limited(100.0, teams={"kept": kept, "other": team(50.0, "b")})
+    policy = h.scheduler.output_rate
+    policy.update_limits({"teams": {"other": team(60.0, "b")}})
+    page = policy.limits_page(None)["limits"]["teams"]
+    assert page["kept"] == {**kept, "members": ["a"]}
+    assert page["other"] == team(60.0, "b")
+    h.add("a", max_tokens=100)
+    h.step(STEP_NS)
+    assert policy.fair.weight("a") == 2.0
+    assert policy.fair.ranked_floors == {"a": 20.0}

@@ -151,11 +151,12 @@ class OperatorView:
         self._logger.info("Output rate limits changed: %s", self.limits_summary())
 
     def current_teams(self) -> Teams | None:
-        """The teams, with each team's limit as the budget holds it now (with
-        a shared store, another engine may have changed it)."""
-        if isinstance(self.limiter, TeamBudget):
-            weights = self.teams.weights if self.teams is not None else {}
-            return replace(self.limiter.current_teams(), weights=weights)
+        """The teams in force: their limits and members as the budget holds
+        them now (with a shared store, another engine may have changed
+        them), their weights and floors as configured here."""
+        if isinstance(self.limiter, TeamBudget) and self.teams is not None:
+            held = self.limiter.current_teams()
+            return replace(self.teams, rates=held.rates, team_of=held.team_of)
         return self.teams
 
     def use_teams(self, teams: Teams) -> None:
