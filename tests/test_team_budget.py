@@ -100,7 +100,7 @@ def test_a_member_back_from_a_pause_is_not_owed_every_turn() -> None:
 def test_a_teams_tokens_are_its_members_whichever_way_they_are_summed(
     team_of, got
 ) -> None:
-    """``_asked`` sums per member when few members took part and per team
+    """``_per_team`` sums per member when few members took part and per team
     when most did: both give each team its members' tokens."""
     teams = Teams({team: 10.0 for team in set(team_of.values())}, team_of)
     limits = TeamBudget(OutputRateLimiter(1.0, clock=FakeClock(0)), teams)
@@ -108,4 +108,4 @@ def test_a_teams_tokens_are_its_members_whichever_way_they_are_summed(
     for user, count in got.items():
         if user in team_of and count:
             expected[team_of[user]] += count
-    assert limits._asked(got) == dict(expected)
+    assert limits._per_team(got) == dict(expected)

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from vllm_output_rate.budget import Budget
 from vllm_output_rate.limiter import OutputRateLimiter
-from vllm_output_rate.teams import Teams
+from vllm_output_rate.teams import Teams, group_by_team
 
 
 class SharedTeams(Budget, Protocol):
@@ -71,9 +71,6 @@ class TeamBudget:
         that changes whenever a user's unfinished requests do (the demand
         a shared budget is told of is summed again then)."""
         self.users = users
-        self.team_of = dict(teams.team_of)
-        self.team_rates = dict(teams.rates)
-        self._members = _members_of(self.team_of)
         # Keyed by team name; no default rate is ever used (every team has
         # its own), so the first team's stands in for it.
         # (``is None``: a budget with no users yet has a length of 0.)
@@ -92,9 +89,9 @@ class TeamBudget:
             shared.on_members = self._adopt_members
         self._changes_of = changes_of
         self._team_demand: dict[str, int] = {}
-        self._demand_seen: object = None
         # Tokens granted per member while its team was short (fair turns).
         self.served: Counter[str] = Counter()
+        self._use_members(teams.team_of)
         # Each team's tokens taken less those given back: its members'
         # tokens dispatched (for operators; late refunds stay counted).
         self.charged: Counter[str] = Counter()
@@ -102,13 +99,12 @@ class TeamBudget:
     def set_teams(self, teams: Teams) -> None:
         """New teams (an operator's change): each team that stays keeps its
         pacing state, a changed limit binds from the next take."""
-        removed = self.team_rates.keys() - teams.rates.keys()
+        held = self.team_rates
+        removed = held.keys() - teams.rates.keys()
         # Only what changed: a shared budget writes it to the store for every
         # engine, and must not write back a limit another engine changed.
         changed = {
-            team: rate
-            for team, rate in teams.rates.items()
-            if team not in self.team_rates or self.teams.rate_of(team) != rate
+            team: rate for team, rate in teams.rates.items() if held.get(team) != rate
         }
         if self._shared is not None:
             moved = {
@@ -119,25 +115,28 @@ class TeamBudget:
             left = [user for user in self.team_of if user not in teams.team_of]
             if moved or left:
                 self._shared.update_members(moved, left)
-        self.team_of = dict(teams.team_of)
-        self.team_rates = dict(teams.rates)
-        self._members = _members_of(self.team_of)
         self.teams.update_rates(user_rates=changed, remove_users=removed)
-        self._demand_seen = None  # members moved: sum the demand again
-        self.served = Counter(
-            {user: count for user, count in self.served.items() if user in self.team_of}
-        )
+        self._use_members(teams.team_of)
 
     def _adopt_members(self, members: dict[str, str]) -> None:
         """Another engine changed the members (read from the store, with the
         teams' limits, which were adopted first)."""
-        self.team_rates = dict(self.teams.user_rates)
-        self.team_of = {u: t for u, t in members.items() if t in self.team_rates}
-        self._members = _members_of(self.team_of)
+        held = self.team_rates
+        self._use_members({u: t for u, t in members.items() if t in held})
+
+    def _use_members(self, team_of: Mapping[str, str]) -> None:
+        self.team_of = dict(team_of)
+        self._members = group_by_team(team_of, team_of)
         self.served = Counter(
-            {user: count for user, count in self.served.items() if user in self.team_of}
+            {user: count for user, count in self.served.items() if user in team_of}
         )
-        self._demand_seen = None
+        self._demand_seen: object = None  # members moved: sum the demand again
+
+    @property
+    def team_rates(self) -> dict[str, float]:
+        """Each team's limit, as the teams' budget holds it (with a shared
+        store, another engine may have changed it)."""
+        return self.teams.user_rates
 
     # ----- what the policy reads ------------------------------------------
 
@@ -166,23 +165,19 @@ class TeamBudget:
         return rate if team is None else min(rate, self.teams.rate_of(team))
 
     def current_teams(self) -> Teams:
-        """The teams as configured here, each limit as the budget holds it."""
-        return Teams(
-            rates={team: self.teams.rate_of(team) for team in self.team_rates},
-            team_of=self.team_of,
-        )
+        """The teams' limits and members as this budget holds them."""
+        return Teams(rates=self.team_rates, team_of=self.team_of)
 
     def teams_snapshot(self) -> dict[str, dict[str, float]]:
         """Each configured team's limit, members and tokens so far."""
         members: Counter[str] = Counter(self.team_of.values())
         return {
             team: {
-                # A shared budget's limit may have changed on another engine.
-                "limit": self.teams.rate_of(team),
+                "limit": rate,
                 "members": members[team],
                 "tokens": self.charged[team],
             }
-            for team in self.team_rates
+            for team, rate in self.team_rates.items()
         }
 
     # ----- taking and giving back ----------------------------------------
@@ -191,7 +186,7 @@ class TeamBudget:
         got = self.users.take_many(wanted)
         if self.team_of.keys().isdisjoint(got):
             return got
-        asked = self._asked(got)
+        asked = self._per_team(got)
         if not asked:
             return got
         granted = self.teams.take_many(asked)
@@ -205,20 +200,20 @@ class TeamBudget:
             self.users.refund_many(unused)
         return got
 
-    def _asked(self, got: Mapping[str, int]) -> dict[str, int]:
-        """Tokens each team's members got of the users' budget (teams whose
-        members got none left out)."""
-        if len(got) * 4 < len(self.team_of):
-            asked: Counter[str] = Counter()
+    def _per_team(self, counts: Mapping[str, int]) -> dict[str, int]:
+        """``counts`` per user (tokens got, unfinished requests) summed per
+        team (teams whose members count none left out)."""
+        if len(counts) * 4 < len(self.team_of):
+            per_team: Counter[str] = Counter()
             team_of = self.team_of
-            for user, count in got.items():
+            for user, count in counts.items():
                 team = team_of.get(user)
                 if team is not None and count > 0:
-                    asked[team] += count
-            return dict(asked)
-        # Most members took part (a full engine): a sum per team, with no
+                    per_team[team] += count
+            return dict(per_team)
+        # Most members counted (a full engine): a sum per team, with no
         # Python step per member.
-        get = got.get
+        get = counts.get
         totals = {
             team: sum(map(get, members, repeat(0)))
             for team, members in self._members.items()
@@ -338,13 +333,8 @@ class TeamBudget:
         seen = (generation, self._changes_of() if self._changes_of else None)
         if seen != self._demand_seen:
             self._demand_seen = seen
-            team_of, team_demand = self.team_of, Counter[str]()
-            for user, count in demand.items():
-                team = team_of.get(user)
-                if team is not None:
-                    team_demand[team] += count
             # A new object: the leases note the change (``LeasedLimiter``).
-            self._team_demand = dict(team_demand)
+            self._team_demand = self._per_team(demand)
         self.teams.between_steps(self._team_demand, self._demand_seen)
 
     def apply_pending(self) -> None:
@@ -357,10 +347,3 @@ class TeamBudget:
     def team_store_snapshot(self) -> dict[str, Any] | None:
         """The teams' leases, when they are shared through a store."""
         return None if self._shared is None else self._shared.store_snapshot()
-
-
-def _members_of(team_of: Mapping[str, str]) -> dict[str, list[str]]:
-    members: dict[str, list[str]] = {}
-    for user, team in team_of.items():
-        members.setdefault(team, []).append(user)
-    return members

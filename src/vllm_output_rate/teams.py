@@ -55,12 +55,10 @@ class Teams:
 
     def to_config(self) -> dict[str, Any]:
         """The ``teams`` key of ``additional_config['output_rate']``."""
-        members: dict[str, list[str]] = {team: [] for team in self.rates}
-        for user, team in sorted(self.team_of.items()):
-            members[team].append(user)
+        members = group_by_team(self.team_of, sorted(self.team_of))
         teams: dict[str, dict[str, Any]] = {}
         for team, rate in self.rates.items():
-            teams[team] = {TEAM_RATE_KEY: rate, MEMBERS_KEY: members[team]}
+            teams[team] = {TEAM_RATE_KEY: rate, MEMBERS_KEY: members.get(team, [])}
             if team in self.weights:
                 teams[team][TEAM_WEIGHT_KEY] = self.weights[team]
             if team in self.floors:
@@ -218,12 +216,7 @@ def member_shares(
     its part of its team's floor: the team's, split between the team's
     active members by their own weights (users in no team keep theirs: not
     listed)."""
-    by_team: dict[str, list[str]] = {}
-    team_of = teams.team_of
-    for user in active:
-        team = team_of.get(user)
-        if team is not None:
-            by_team.setdefault(team, []).append(user)
+    by_team = group_by_team(teams.team_of, active)
     weights: dict[str, float] = {}
     floors: dict[str, float] = {}
     for team, members in by_team.items():
@@ -235,3 +228,15 @@ def member_shares(
         if floor is not None:
             floors.update(zip(members, (floor * p for p in parts), strict=True))
     return weights, floors
+
+
+def group_by_team(
+    team_of: Mapping[str, str], users: Iterable[str]
+) -> dict[str, list[str]]:
+    """The ``users`` that are in a team, per team, in the order given."""
+    members: dict[str, list[str]] = {}
+    for user in users:
+        team = team_of.get(user)
+        if team is not None:
+            members.setdefault(team, []).append(user)
+    return members

@@ -56,7 +56,7 @@ class FairShare:
     ) -> None:
         # As configured; ``_ranked`` is what the ranking reads: these, with
         # team members' weights from their team's over them
-        # (``set_member_weights``).
+        # (``set_member_shares``).
         self.weights: dict[str, float] = dict(weights or {})
         self.floors: dict[str, float] = dict(floors or {})
         self._members: dict[str, float] = {}

@@ -279,13 +279,14 @@ class OutputRatePolicy(OperatorView):
         its floor holds for its members together, each split between its
         members with unfinished requests by their own weights (looked at
         again when users come or go, or teams change)."""
-        limiter, teams = self.limiter, self.teams
-        assert teams is not None and isinstance(limiter, TeamBudget)
-        seen = (self.demand.generation, id(teams), id(limiter.team_of))
+        limiter = self.limiter
+        assert isinstance(limiter, TeamBudget)
+        seen = (self.demand.generation, id(self.teams), id(limiter.team_of))
         if seen == self._members_seen:
             return
         self._members_seen = seen
-        current = replace(teams, team_of=limiter.team_of)
+        current = self.current_teams()
+        assert current is not None
         shares = member_shares(current, self.fair.own_weight, unfinished)
         if self.fair.set_member_shares(*shares):
             self.shortcuts.forget()  # what they kept was ranked by the old
