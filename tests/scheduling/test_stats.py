@@ -29,8 +29,9 @@ NOTHING: Counter[str] = Counter()
 
 def reference(
     steps: list[tuple[int, Counter[str]]], recent_users: int
-) -> tuple[dict[str, dict], Counter[str]]:
-    """Token by token, user by user: what the metrics mean. Users outside
+) -> tuple[dict[str, dict], Counter[str], dict[str, int], dict[str, int]]:
+    """Token by token, user by user: what the metrics mean (and each user's
+    first and last step served). Users outside
     NAMED take one of ``recent_users`` labels when first seen, if any is left."""
     recent: list[str] = []
 
@@ -45,7 +46,9 @@ def reference(
     out: dict[str, dict] = {}
     per_user: Counter[str] = Counter()
     last: dict[str, int] = {}
+    first: dict[str, int] = {}  # the first step that served each user
     for now, served in steps:
+        first.update({user: now for user in served if user not in first})
         for user, count in served.items():
             s = out.setdefault(
                 label(user),
@@ -58,7 +61,7 @@ def reference(
                 s["buckets"][bisect.bisect_left(GAP_BUCKETS_NS, gap)] += 1
                 s["gaps"].append(gap)
             last[user] = now
-    return out, per_user
+    return out, per_user, first, last
 
 
 SERVED = st.dictionaries(USERS, st.integers(1, 4), max_size=5)
@@ -108,7 +111,7 @@ def test_grouped_update_equals_a_per_user_count(
         if i % read_every == 0:  # reading in between changes nothing
             stats.users_page(now, 100)
     snapshot = stats.snapshot()
-    expected, per_user = reference(steps, recent_users)
+    expected, per_user, first, last = reference(steps, recent_users)
     assert set(snapshot) == set(expected)
     for label, want in expected.items():
         got = snapshot[label]
@@ -119,6 +122,24 @@ def test_grouped_update_equals_a_per_user_count(
     users, _, total = stats.users_page(now, 100)
     assert total == len(per_user)
     assert {user: view["tokens_admitted"] for user, view in users.items()} == per_user
+    for user, view in users.items():
+        assert view["idle_s"] == (now - last[user]) / NS_PER_S
+        # On record from a step that served it, at the latest its last.
+        assert view["idle_s"] <= view["tracked_s"] <= (now - first[user]) / NS_PER_S
+
+
+def test_a_record_made_later_keeps_the_time_of_the_users_first_tokens() -> None:
+    """A refund makes the record of a user whose tokens are not written
+    yet: it is on record from its first tokens, active at its latest."""
+    stats = OutputRateStats(NAMED)
+    stats.record_step(1 * NS_PER_S, {"carol": 1}, NOTHING, NOTHING)
+    stats.record_step(2 * NS_PER_S, {"dave": 1}, NOTHING, NOTHING)  # carol's folded
+    stats.record_step(3 * NS_PER_S, {"erin": 1}, Counter(carol=1), NOTHING)
+    users, _, _ = stats.users_page(4 * NS_PER_S, 10)
+    assert users["carol"]["tracked_s"] == 3.0
+    assert users["carol"]["idle_s"] == 1.0  # the refund is traffic
+    assert users["carol"]["tokens_admitted"] == 1
+    assert users["carol"]["refunds"] == 1
 
 
 def test_labels_stay_bounded_whatever_the_number_of_users() -> None:
