@@ -25,6 +25,8 @@ FLOOR_TOK_S = 60.0  # the floored user's floor (kinds.FLOORS)
 SHARE_TOLERANCE = 0.10  # of the expected ratio between the two users
 FLOOR_TARGET = 0.9  # of the floor
 ENGINE_TARGET = 0.98
+# The contested step (``ranking_cost``), ours / stock, at every U measured.
+CONTESTED_TARGET = 1.3
 ABOUT = (
     "Limits far above demand on an engine with 3 active slots, so the engine "
     "itself is the bottleneck: a stock and an ours server (weights light 2, "
@@ -93,11 +95,30 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             engine["ratio_median"] >= ENGINE_TARGET,
         )
     )
+    ratios = contested_ratios(results)
+    requests = results["ranking_cost"]["requests"]
+    rows.append(
+        (
+            f"fair shares: step with every slot contested, R = {requests:,}",
+            f"ours / stock <= {CONTESTED_TARGET:g} at each U",
+            ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items()),
+            bool(ratios) and max(ratios.values()) <= CONTESTED_TARGET,
+        )
+    )
     return rows
 
 
+def contested_ratios(results: dict[str, Any]) -> dict[str, float]:
+    """The contested step's ours / stock per number of users."""
+    subjects = results["ranking_cost"]["subjects"]
+    return {name: row["ratio"] for name, row in subjects.items() if name != "stock"}
+
+
 def headlines(results: dict[str, Any]) -> dict[str, float | None]:
-    return {"saturated_engine": results["engine"]["ratio_median"]}
+    return {
+        "saturated_engine": results["engine"]["ratio_median"],
+        "contested_step": max(contested_ratios(results).values(), default=None),
+    }
 
 
 def _plot(results: dict[str, Any], path: Path) -> Path:

@@ -195,7 +195,9 @@ def fair_runs(light_share: float, floored_tok_s: float = 60.0) -> list[dict]:
     return runs
 
 
-def fair_results(runs: list[dict], engine_ratio: float) -> dict[str, Any]:
+def fair_results(
+    runs: list[dict], engine_ratio: float, contested: float = 1.8
+) -> dict[str, Any]:
     saturated = engine("saturated", engine_ratio)
     saturated["continuous"] = True
     return {
@@ -212,8 +214,8 @@ def fair_results(runs: list[dict], engine_ratio: float) -> dict[str, Any]:
             "subjects": {
                 "stock": {"step_ms": 10.0, "ratio": 1.0},
                 "U=256": {
-                    "step_ms": 18.0,
-                    "ratio": 1.8,
+                    "step_ms": 10.0 * contested,
+                    "ratio": contested,
                     "plugin_calls_per_step": 9271.0,
                 },
             },
@@ -222,20 +224,26 @@ def fair_results(runs: list[dict], engine_ratio: float) -> dict[str, Any]:
 
 
 def test_the_fair_shares_section_judges_each_target(tmp_path: Path) -> None:
-    met = fair_results(fair_runs(2 / 3), 0.99)
-    assert [m for *_, m in fair_shares.summary_rows(met)] == [True] * 4
-    # light 0.6 is 1.5 : 1, not within 10 % of 2 : 1; the floor 50 < 0.9 x 60.
+    met = fair_results(fair_runs(2 / 3), 0.99, contested=1.25)
+    assert [m for *_, m in fair_shares.summary_rows(met)] == [True] * 5
+    # light 0.6 is 1.5 : 1, not within 10 % of 2 : 1; the floor 50 < 0.9 x 60;
+    # the step 1.8 x stock's where every slot is contested.
     missed = fair_results(fair_runs(0.6, floored_tok_s=50.0), 0.97)
     assert [m for *_, m in fair_shares.summary_rows(missed)] == [
         False,
         True,
         False,
         False,
+        False,
     ]
-    assert fair_shares.headlines(met) == {"saturated_engine": 0.99}
+    assert fair_shares.headlines(met) == {
+        "saturated_engine": 0.99,
+        "contested_step": 1.25,
+    }
+    assert fair_shares.summary_rows(missed)[-1][2] == "U=256 1.80"
     text = fair_shares.section(met, tmp_path, tmp_path)
     assert "stock 46 times, ours 229" in text
-    assert "| U=256 | 18.00 | 1.80 | 9,271 |" in text
+    assert "| U=256 | 12.50 | 1.25 | 9,271 |" in text
     assert "| stock | 10.00 | 1.00 | - |" in text  # results before the count
     assert "streams kept busy" in text
 
