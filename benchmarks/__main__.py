@@ -93,8 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcomes = suite.run(selected, args.quick, work_dir)
         except KeyboardInterrupt:
             return 130
-        entries = results.update_latest(entries, run, outcomes)
-        results.save_latest(args.results, entries)
+        results.save_latest(args.results, results.update_latest(entries, run, outcomes))
+        # Rendered from the kept results (saved with sorted keys), so that a
+        # later --render-only writes the same document.
+        entries = results.load_latest(args.results)
         measured = {n: o["results"] for n, o in outcomes.items() if "results" in o}
         if measured and not args.quick:
             rows = [*rows, document.headline_row(run, measured)]
