@@ -129,13 +129,16 @@ SCENES: tuple[Scene, ...] = (
         # A KV cache of 40 blocks of 32 tokens: room for about 13 of the
         # hog's requests (~100 tokens each, the prompt's first block shared).
         # Resident slots are plenty (vLLM's default): KV blocks run out.
-        # 48 streams, not 24: with 24, a run in CI had most of the hog's
-        # requests between streams (client, HTTP) rather than waiting at the
-        # engine, and stock left the light user unhurt; 48 keep ~30 waiting.
+        # The light user waits on stock vLLM only while hog requests queue
+        # at the engine, so the hog keeps far more streams than fit: in CI,
+        # hog requests spent seconds between streams (client, HTTP), and
+        # with 24, then 48, streams stock left the light user unhurt. 96
+        # streams keep it waiting ~2 s even with a 3 s pause between each
+        # stream's requests (measured: 48 streams, 0.03 s; 96, 2.1 s).
         server_args=("--block-size", "32", "--num-gpu-blocks-override", "40"),
         users=(
             LIGHT,
-            DemoUser("hog", "throttled", streams=48, max_tokens=40, limit=5),
+            DemoUser("hog", "throttled", streams=96, max_tokens=40, limit=5),
         ),
     ),
     Scene(
