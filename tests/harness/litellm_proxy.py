@@ -2,8 +2,9 @@
 environment of its own.
 
 ``litellm_command()`` is the ``litellm`` command of ``.cache/litellm-proxy``,
-which it creates with ``litellm[proxy]`` (pinned) on first use: a few
-minutes of pip, once; its many dependencies never meet vLLM's.
+which it creates with ``litellm[proxy]`` (pinned) on first use, with uv
+(seconds; pip's resolver took a minute of the suite); its many dependencies
+never meet vLLM's.
 ``VLLM_OUTPUT_RATE_LITELLM`` names an installed command instead. When the
 package cannot be installed (no network), the test is skipped, except in CI
 (``CI`` set, as ``.ci/run`` has it), where it fails.
@@ -30,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from uv import find_uv_bin
 
 from vllm_output_rate.demo.server import free_port, log_tail, stop_process_group
 
@@ -62,10 +64,11 @@ def litellm_command() -> str:
 
 def _install(stamp: Path) -> None:
     shutil.rmtree(VENV, ignore_errors=True)
+    uv = find_uv_bin()
     steps = [
-        [sys.executable, "-m", "venv", str(VENV)],
-        [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet",
-         "--disable-pip-version-check", REQUIREMENT],
+        [uv, "venv", "--quiet", "--python", sys.executable, str(VENV)],
+        [uv, "pip", "install", "--quiet", "--python", str(VENV / "bin" / "python"),
+         REQUIREMENT],
     ]  # fmt: skip
     for step in steps:
         try:
