@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from vllm_output_rate.scheduling.demand import user_of
-from vllm_output_rate.seams import kv_watermark_blocks
+from vllm_output_rate.seams import kv_watermark_blocks, num_free_kv_blocks
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -39,17 +39,32 @@ def blocks_bound(host: SchedulerHost, claimants: int) -> int:
 
 
 def blocks_needed(host: SchedulerHost, heads: Iterable[Request]) -> int:
-    """KV blocks the claimants' admissions need free in this step: the whole
-    prompt if vLLM checks that it fits (its default), else one step's chunk;
-    plus the running requests' margin."""
-    budget = host.max_num_scheduled_tokens
-    needed = margin(host)
-    for request in heads:
-        tokens = request.num_tokens - request.num_computed_tokens
-        if not host.scheduler_reserve_full_isl:
-            tokens = min(tokens, budget)
-        needed += blocks_for(host, tokens)
-    return needed
+    """KV blocks the claimants' admissions need free in this step
+    (``admission_blocks`` each), plus the running requests' margin."""
+    return margin(host) + sum(admission_blocks(host, r) for r in heads)
+
+
+def admission_blocks(host: SchedulerHost, request: Request) -> int:
+    """KV blocks a waiting request's admission needs free: its whole prompt
+    if vLLM checks that it fits (its default), else one step's chunk."""
+    tokens = request.num_tokens - request.num_computed_tokens
+    if not host.scheduler_reserve_full_isl:
+        tokens = min(tokens, host.max_num_scheduled_tokens)
+    return blocks_for(host, tokens)
+
+
+def admissible(host: SchedulerHost, heads: Iterable[Request]) -> int:
+    """How many of the claimants' heads vLLM could admit together now, the
+    smallest first: those whose ``admission_blocks`` fit in the free KV
+    blocks above the margin."""
+    free = num_free_kv_blocks(host) - margin(host)
+    count = 0
+    for need in sorted(admission_blocks(host, r) for r in heads):
+        if need > free:
+            break
+        free -= need
+        count += 1
+    return count
 
 
 def claimant_heads(

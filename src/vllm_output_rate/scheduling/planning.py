@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from vllm_output_rate.scheduling.step import Step
     from vllm_output_rate.scheduling.step_budget import StepBudget
     from vllm_output_rate.scheduling.step_slots import StepSlots
+    from vllm_output_rate.seams import SchedulerHost
 
 NOTHING: Mapping[str, int] = MappingProxyType({})
 
@@ -257,6 +258,22 @@ def _reclaim(policy: OutputRatePolicy, slots: StepSlots) -> None:
 # ----- the running list -------------------------------------------------------
 
 
+def waiting_room(host: SchedulerHost, slots: StepSlots | None) -> int:
+    """How many active slots waiting requests may be granted: the free
+    resident slots, and when KV blocks are tight no more than the claimants
+    whose admission fits (``kv_room.admissible``). A slot granted to a
+    request vLLM cannot admit would stay empty for the step, and preempted
+    requests, waiting to recompute, would take slots from the residents
+    step after step."""
+    if slots is None or not slots.free:
+        return 0
+    claimants = len(slots.wanted)
+    if num_free_kv_blocks(host) >= kv_room.blocks_bound(host, claimants):
+        return slots.free
+    heads = kv_room.claimant_heads(host.waiting, slots.wanted)
+    return min(slots.free, kv_room.admissible(host, heads.values()))
+
+
 def order_running(policy: OutputRatePolicy, step: Step) -> None:
     """Rule 2 of the module docstring: order ``host.running`` for ``step``."""
     host, budget = policy.host, step.budget
@@ -293,7 +310,7 @@ def order_running(policy: OutputRatePolicy, step: Step) -> None:
             limit_of=budget.remaining,
             waiting=waiting,
             slots=active,
-            room=slots.free if slots is not None else 0,
+            room=waiting_room(host, slots),
         )
         ready, granted = ranking.order, ranking.granted
         if slots is not None and waiting:

@@ -173,7 +173,7 @@ class Shortcuts:
             running=host.running,
             waiting=waiting,
             slots=active,
-            room=slots.free if slots is not None else 0,
+            room=planning.waiting_room(host, slots),
             fair=fair,
             user_last_served=policy.user_last_served,
         )
