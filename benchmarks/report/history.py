@@ -20,6 +20,7 @@ COLUMNS = {
     "speculative_step": "speculative `schedule()` from R = 64 (worst)",
     "saturated_engine": "saturated engine (fair shares)",
     "contested_step": "step with every slot contested (worst U)",
+    "kv_full_sampled": "tokens sampled with the KV cache full (worst U)",
     "admission_server": "server with admission caps not binding",
     "cache_salt_latency": "later user's latency with the cache salt / without",
     "prefill_ttft_ratio": "light TTFT beside a prefill hog / alone",
