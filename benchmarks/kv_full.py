@@ -9,8 +9,9 @@ the fair shares rank users with nothing running first. Subjects: stock; ours
 with U = 256 users (four requests each) and U = 10,000 (one request each),
 half of the users at weight 2. Figures per subject: requests scheduled a
 step over the last ``JUDGED_STEPS`` steps (mean and least), tokens sampled
-over all ``STEPS`` and preemptions; the target is ours sampling at least
-stock's tokens at each U.
+and tokens computed (prompts again after a preemption included) over all
+``STEPS``, and preemptions; the target is ours sampling at least stock's
+tokens at each U.
 
 ``make bench``'s ``kv_full`` section; alone: ``PYTHONPATH=tests:. python -m
 benchmarks.kv_full`` prints the results as JSON.
@@ -59,12 +60,17 @@ def subject(model: str, users: int | None) -> dict[str, Any]:
             prompt_len=8 + rng.randrange(16),
             max_tokens=1_000_000,
         )
-    counts = [len(h.step(STEP_NS).num_scheduled_tokens) for _ in range(STEPS)]
+    counts, computed = [], 0
+    for _ in range(STEPS):
+        scheduled = h.step(STEP_NS).num_scheduled_tokens
+        counts.append(len(scheduled))
+        computed += sum(scheduled.values())
     judged = counts[-JUDGED_STEPS:]
     return {
         "scheduled_per_step": sum(judged) / len(judged),
         "least_per_step": min(judged),
         "sampled": sum(h.received_tokens().values()),
+        "computed": computed,
         "preemptions": h.preemptions,
     }
 
