@@ -12,6 +12,7 @@ same requests in the same test.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,19 +67,31 @@ def test_a_full_cache_leaves_no_active_slot_empty(
     ours.settle()
 
 
+def head(num_tokens: int, *, sampled: bool) -> SimpleNamespace:
+    """A waiting request as ``kv_room`` reads it: to compute from scratch,
+    with output to compute again (``sampled``) or none yet."""
+    return SimpleNamespace(
+        num_tokens=num_tokens, num_computed_tokens=0, num_output_tokens=int(sampled)
+    )
+
+
 @pytest.mark.parametrize(
     ("num_blocks", "admissible"),
-    # Heads of 7, 2 and 3 blocks (16 tokens a block); one block free is the
-    # margin (no request running). 3 blocks: the 2-block head; 13: the 2 and
-    # the 3 (12 do not fit in 12 - 1); 14: all three.
-    [(3, 0), (4, 1), (13, 2), (14, 3)],
+    # Heads to compute again of 7, 2 and 3 blocks (16 tokens a block) and a
+    # newcomer of 7; one block free is the margin (no request running). The
+    # newcomer always counts (the prefix cache may hold its prompt); of the
+    # others, with 3 blocks: none; 4: the 2-block one; 13: the 2 and the 3
+    # (12 do not fit in 12 - 1); 14: all three.
+    [(3, 1), (4, 2), (13, 3), (14, 4)],
 )
-def test_admissible_counts_the_smallest_heads_that_fit(
+def test_admissible_counts_newcomers_and_the_smallest_that_fit(
     tiny_model_path: str, num_blocks: int, admissible: int
 ) -> None:
     h = make_scheduler(tiny_model_path, limits=None, num_blocks=num_blocks)
-    heads = [h.add(f"u{k}", prompt_len=n) for k, n in enumerate((100, 20, 40))]
-    assert [kv_room.admission_blocks(h.scheduler, r) for r in heads] == [7, 2, 3]
-    assert kv_room.margin(h.scheduler) == 1
-    assert kv_room.admissible(h.scheduler, heads) == admissible
-    assert kv_room.admissible(h.scheduler, []) == 0
+    host = h.scheduler
+    heads = [head(n, sampled=True) for n in (100, 20, 40)]
+    newcomer = head(100, sampled=False)
+    assert [kv_room.admission_blocks(host, r) for r in heads] == [7, 2, 3]  # type: ignore[arg-type]
+    assert kv_room.margin(host) == 1
+    assert kv_room.admissible(host, [*heads, newcomer]) == admissible  # type: ignore[list-item]
+    assert kv_room.admissible(host, []) == 0

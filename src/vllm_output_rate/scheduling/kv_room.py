@@ -54,12 +54,22 @@ def admission_blocks(host: SchedulerHost, request: Request) -> int:
 
 
 def admissible(host: SchedulerHost, heads: Iterable[Request]) -> int:
-    """How many of the claimants' heads vLLM could admit together now, the
-    smallest first: those whose ``admission_blocks`` fit in the free KV
-    blocks above the margin."""
+    """How many of the claimants' heads vLLM could admit together now.
+
+    A head that must compute its output again (preempted after sampling)
+    counts if its ``admission_blocks`` fit in the free KV blocks above the
+    margin, the smallest first. A head with no output yet always counts:
+    the prefix cache may hold its prompt, which only vLLM's admission can
+    tell (as before this check, it is granted and vLLM decides)."""
     free = num_free_kv_blocks(host) - margin(host)
     count = 0
-    for need in sorted(admission_blocks(host, r) for r in heads):
+    recomputing = []
+    for request in heads:
+        if request.num_output_tokens:
+            recomputing.append(admission_blocks(host, request))
+        else:
+            count += 1
+    for need in sorted(recomputing):
         if need > free:
             break
         free -= need

@@ -261,10 +261,11 @@ def _reclaim(policy: OutputRatePolicy, slots: StepSlots) -> None:
 def waiting_room(host: SchedulerHost, slots: StepSlots | None) -> int:
     """How many active slots waiting requests may be granted: the free
     resident slots, and when KV blocks are tight no more than the claimants
-    whose admission fits (``kv_room.admissible``). A slot granted to a
-    request vLLM cannot admit would stay empty for the step, and preempted
-    requests, waiting to recompute, would take slots from the residents
-    step after step."""
+    vLLM could admit (``kv_room.admissible``: a request preempted after
+    sampling only if its tokens fit). A slot granted to a request vLLM
+    cannot admit would stay empty for the step: with the cache full,
+    preempted requests waiting to compute again would take the residents'
+    slots step after step."""
     if slots is None or not slots.free:
         return 0
     claimants = len(slots.wanted)
