@@ -61,6 +61,7 @@ FULL_S, QUICK_S = 16.0, 10.0
 FULL_ROUNDS, QUICK_ROUNDS = 2, 1
 RANKING_USERS = (256, 10_000)
 COUNTED_STEPS = 3  # untimed steps in which the plugin's calls are counted
+BLOCKS_PER_REQUEST = 8
 PLUGIN_DIR = str(Path(vllm_output_rate.__file__).parent)
 
 
@@ -232,31 +233,9 @@ def ranking_cost(model: str, requests: int, rounds: int) -> dict[str, Any]:
     (half at weight 2), active slots R / 2, limits far above demand, against
     stock with the same settings; schedulers stepped in shuffled rounds, the
     median over rounds of ours / stock in the same round."""
-    from harness.scheduler_sim import make_scheduler
-
     subjects = {}
     for users in (None, *RANKING_USERS):
-        limits = None
-        if users is not None:
-            limits = {
-                "default_user_output_tokens_per_second": 1e9,
-                "user_output_weight": {f"user-{i}": 2.0 for i in range(0, users, 2)},
-            }
-        h = make_scheduler(
-            model,
-            limits=limits,
-            num_blocks=requests * 8,
-            max_num_seqs=requests,
-            max_num_active_seqs=requests // 2,
-            max_num_batched_tokens=requests * 16,
-        )
-        rng = random.Random(1)
-        for k in range(requests):
-            h.add(
-                f"user-{k % (users or 1)}",
-                prompt_len=8 + rng.randrange(16),
-                max_tokens=1_000_000,
-            )
+        h = contested_scheduler(model, requests, users)
         for _ in range(8):  # prefill everyone, then the steady state
             h.step(1_000_000)
         subjects["stock" if users is None else f"U={users:,}"] = h
@@ -279,6 +258,37 @@ def ranking_cost(model: str, requests: int, rounds: int) -> dict[str, Any]:
             for name, figures in against_stock(times).items()
         },
     }
+
+
+def contested_scheduler(model: str, requests: int, users: int | None) -> Any:
+    """A scheduler (``scheduler_sim``) holding ``requests`` resident
+    requests over ``users`` users (half at weight 2; stock vLLM when None),
+    active slots half of them, room for 8 KV blocks a request, limits far
+    above demand: every step is contested."""
+    from harness.scheduler_sim import make_scheduler
+
+    limits = None
+    if users is not None:
+        limits = {
+            "default_user_output_tokens_per_second": 1e9,
+            "user_output_weight": {f"user-{i}": 2.0 for i in range(0, users, 2)},
+        }
+    h = make_scheduler(
+        model,
+        limits=limits,
+        num_blocks=requests * BLOCKS_PER_REQUEST,
+        max_num_seqs=requests,
+        max_num_active_seqs=requests // 2,
+        max_num_batched_tokens=requests * 16,
+    )
+    rng = random.Random(1)
+    for k in range(requests):
+        h.add(
+            f"user-{k % (users or 1)}",
+            prompt_len=8 + rng.randrange(16),
+            max_tokens=1_000_000,
+        )
+    return h
 
 
 def plugin_calls_per_step(h: Any) -> float:

@@ -1,9 +1,10 @@
 """Fair shares with the KV cache full, ours against stock vLLM.
 
-vLLM's real scheduler and KV cache manager, no model (``scheduler_sim``):
-``REQUESTS`` resident requests, active slots half of them, room for
-``BLOCKS_PER_REQUEST`` KV blocks a request, each request growing a token a
-step (limits far above demand). After ~190 steps the cache is full: vLLM
+vLLM's real scheduler and KV cache manager, no model: the contested load of
+``fair_shares.ranking_cost`` (``contested_scheduler``: ``REQUESTS`` resident
+requests, active slots half of them, room for ``BLOCKS_PER_REQUEST`` KV
+blocks a request, limits far above demand), each request growing a token a
+step. After ~190 steps the cache is full: vLLM
 preempts, and preempted requests wait to compute their tokens again, while
 the fair shares rank users with nothing running first. Subjects: stock; ours
 with U = 256 users (four requests each) and U = 10,000 (one request each),
@@ -20,15 +21,14 @@ benchmarks.kv_full`` prints the results as JSON.
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fair_shares import BLOCKS_PER_REQUEST, contested_scheduler
 from benchmarks.measure import log
 
 REQUESTS = 1024
-BLOCKS_PER_REQUEST = 8
 STEPS = 320
 JUDGED_STEPS = 100
 USERS = (256, 10_000)
@@ -37,29 +37,7 @@ STEP_NS = 1_000_000
 
 def subject(model: str, users: int | None) -> dict[str, Any]:
     """One scheduler (stock when ``users`` is None) through ``STEPS`` steps."""
-    from harness.scheduler_sim import make_scheduler
-
-    limits = None
-    if users is not None:
-        limits = {
-            "default_user_output_tokens_per_second": 1e9,
-            "user_output_weight": {f"user-{i}": 2.0 for i in range(0, users, 2)},
-        }
-    h = make_scheduler(
-        model,
-        limits=limits,
-        num_blocks=REQUESTS * BLOCKS_PER_REQUEST,
-        max_num_seqs=REQUESTS,
-        max_num_active_seqs=REQUESTS // 2,
-        max_num_batched_tokens=REQUESTS * 16,
-    )
-    rng = random.Random(1)
-    for k in range(REQUESTS):
-        h.add(
-            f"user-{k % (users or 1)}",
-            prompt_len=8 + rng.randrange(16),
-            max_tokens=1_000_000,
-        )
+    h = contested_scheduler(model, REQUESTS, users)
     counts, computed = [], 0
     for _ in range(STEPS):
         scheduled = h.step(STEP_NS).num_scheduled_tokens
