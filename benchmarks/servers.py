@@ -11,6 +11,7 @@ starts them (in parallel), keeps them running and stops them.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from vllm_output_rate.demo.server import (
     DEFAULT_ARGS,
     DEFAULT_ENV,
     RunningServer,
+    running_server,
 )
-from vllm_output_rate.demo.servers_together import ServerThread
 from vllm_output_rate.scheduling.dispatch_log import ENV as DISPATCH_LOG_ENV
 
 # The same flags for stock and ours; --max-model-len 4096 (the tiny model's
@@ -63,6 +64,39 @@ def ours_user_limits() -> dict[str, float]:
     return limits
 
 
+class _ServerThread(threading.Thread):
+    """Owns one server for its whole life: ``running_server`` arms
+    PR_SET_PDEATHSIG, which fires when the *thread* that forked the server
+    exits, so the thread that starts it stays alive until it stops."""
+
+    def __init__(
+        self, model: str, args: list[str], env: dict[str, str], log_dir: Path
+    ) -> None:
+        super().__init__(name=f"server-{log_dir.name}", daemon=False)
+        self.model, self.args, self.env, self.log_dir = model, args, env, log_dir
+        self.ready = threading.Event()
+        self.stop_event = threading.Event()
+        self.url: RunningServer | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with running_server(
+                self.model,
+                self.args,
+                env=self.env,
+                start_timeout_s=START_TIMEOUT_S,
+                log_dir=self.log_dir,
+            ) as url:
+                self.url = url
+                self.ready.set()
+                self.stop_event.wait()
+        except BaseException as exc:  # reported by the pool
+            self.error = exc
+        finally:
+            self.ready.set()
+
+
 class ServerPool:
     """``stock`` and ``ours`` (module docstring), started on demand."""
 
@@ -88,7 +122,7 @@ class ServerPool:
             ),
         }
         self.gate = QuietGate(QUIET_BUDGET_S[quick])
-        self._threads: dict[str, ServerThread] = {}
+        self._threads: dict[str, _ServerThread] = {}
 
     def __enter__(self) -> ServerPool:
         return self
@@ -104,13 +138,7 @@ class ServerPool:
             if name == "ours":
                 self.dispatch_log_path.unlink(missing_ok=True)  # the log appends
             args, env = self.configs[name]
-            thread = ServerThread(
-                self.model,
-                args,
-                env,
-                log_dir=self.work_dir / name,
-                start_timeout_s=START_TIMEOUT_S,
-            )
+            thread = _ServerThread(self.model, args, env, self.work_dir / name)
             self._threads[name] = thread
             thread.start()
         started = time.monotonic()
@@ -135,4 +163,5 @@ class ServerPool:
     def stop(self, name: str) -> None:
         thread = self._threads.pop(name, None)
         if thread is not None:
-            thread.stop()
+            thread.stop_event.set()
+            thread.join()

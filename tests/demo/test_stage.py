@@ -19,7 +19,6 @@ from harness.fake_openai_server import ENGINE_METRICS
 from vllm_output_rate.demo import server
 from vllm_output_rate.demo.figures import run_figures
 from vllm_output_rate.demo.scenes import DemoUser, Scene
-from vllm_output_rate.demo.servers_together import running_servers
 from vllm_output_rate.demo.stage import COMMON_ARGS, Servers, ServerSpec, play
 
 FAKE_SERVER = r"""
@@ -128,27 +127,6 @@ def test_one_failed_start_stops_the_others(tmp_path: Path) -> None:
     with (
         pytest.raises(server.ServerStartError, match="FATAL: no KV cache"),
         Servers("m", specs, tmp_path),
-    ):
-        pytest.fail("should not start")
-    assert threading.active_count() == before  # every server thread ended
-
-
-@pytest.mark.usefixtures("fake_vllm")
-def test_running_servers_yields_each_url_in_order_and_stops_all() -> None:
-    launches = [(["ok", "a"], {}), (["ok", "b"], {})]
-    with running_servers("m", launches) as urls:
-        assert len(urls) == 2 and urls[0] != urls[1]
-        groups = [server_pid(url) for url in urls]
-        assert all(alive(pid) for pid in groups)
-    assert not any(alive(pid) for pid in groups)
-
-
-@pytest.mark.usefixtures("fake_vllm")
-def test_running_servers_raises_a_failed_start_with_the_others_stopped() -> None:
-    before = threading.active_count()
-    with (
-        pytest.raises(server.ServerStartError, match="FATAL: no KV cache"),
-        running_servers("m", [(["ok"], {}), (["fail"], {})]),
     ):
         pytest.fail("should not start")
     assert threading.active_count() == before  # every server thread ended

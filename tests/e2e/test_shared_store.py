@@ -31,7 +31,6 @@ import pytest
 from harness.bounds import assert_window_bound
 from harness.redis_server import RedisServer
 from vllm_output_rate.demo.server import running_server, stop_process_group
-from vllm_output_rate.demo.servers_together import running_servers
 from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
@@ -84,13 +83,20 @@ def servers(tiny_model_path: str, store: RedisServer):
     logs = [folder / "dispatch-a.csv", folder / "dispatch-b.csv"]
     env = {"VLLM_PLUGINS": "output_rate,output_rate_http",
            "VLLM_OUTPUT_RATE_ADMIN_KEY": ADMIN_KEY}  # fmt: skip
-    launches = [
-        (args, {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i),
-                "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(log)})
-        for i, log in enumerate(logs)
-    ]  # fmt: skip
-    # Started together: one after the other took 52-70 s of the suite.
-    with running_servers(tiny_model_path, launches) as (a, b):
+    with (
+        running_server(
+            tiny_model_path,
+            args,
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0",
+                 "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(logs[0])},
+        ) as a,
+        running_server(
+            tiny_model_path,
+            args,
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1",
+                 "VLLM_OUTPUT_RATE_DISPATCH_LOG": str(logs[1])},
+        ) as b,
+    ):  # fmt: skip
         for url in (a, b):
             log = url.log_text()
             assert "output-token limits shared through" in log

@@ -4,7 +4,8 @@
 limits, per scene) at once and stops them all on exit, Ctrl-C included:
 starting is most of the demo's time, and servers that wait idle cost the
 one under load almost nothing. Each server lives in a thread of its own for
-its whole life (``servers_together.ServerThread``).
+its whole life, since ``running_server`` asks Linux to stop a server when
+the thread that started it ends.
 
 ``play`` runs a scene's load against one server: each user in a client
 process of its own (as real users are: parsing the hog's streams never
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -30,12 +32,12 @@ from typing import Any
 
 import httpx
 
-from vllm_output_rate.demo import servers_together
 from vllm_output_rate.demo.busy import OthersCpu
 from vllm_output_rate.demo.engine_tally import EngineTally, TallyError, read_tally
 from vllm_output_rate.demo.engine_view import EngineWatch
 from vllm_output_rate.demo.figures import EngineView
 from vllm_output_rate.demo.scenes import DemoUser, Scene
+from vllm_output_rate.demo.server import RunningServer, running_server
 from vllm_output_rate.loadtest import (
     LoadResult,
     LoadSpec,
@@ -76,14 +78,31 @@ class ServerSpec:
         return cls(scene, True, args + scene.limit_flags(), env, key)
 
 
-class ServerThread(servers_together.ServerThread):
-    """A scene's server, stock or with limits (``spec``)."""
-
+class ServerThread(threading.Thread):
     def __init__(self, model: str, spec: ServerSpec, log_dir: Path) -> None:
-        super().__init__(
-            model, spec.args, spec.env, log_dir=log_dir, start_timeout_s=START_TIMEOUT_S
-        )
-        self.spec = spec
+        super().__init__(daemon=True, name=f"server-{spec.scene.key}")
+        self.model, self.spec, self.log_dir = model, spec, log_dir
+        self.url: RunningServer | None = None
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with running_server(
+                self.model,
+                self.spec.args,
+                env=self.spec.env,
+                start_timeout_s=START_TIMEOUT_S,
+                log_dir=self.log_dir,
+            ) as url:
+                self.url = url
+                self.ready.set()
+                self.done.wait()
+        except BaseException as exc:  # handed to the main thread
+            self.error = exc
+        finally:
+            self.ready.set()
 
 
 class Servers:
@@ -103,7 +122,8 @@ class Servers:
             t.start()
         try:
             for t in self.threads:
-                t.wait_ready()
+                while not t.ready.wait(0.5):
+                    pass  # a short wait, so that Ctrl-C gets through
             failed = [t.error for t in self.threads if t.error is not None]
             if failed:
                 raise failed[0]
@@ -114,9 +134,9 @@ class Servers:
 
     def __exit__(self, *exc: object) -> None:
         for t in self.threads:
-            t.stop_soon()
+            t.done.set()
         for t in self.threads:
-            t.stop()
+            t.join()
 
     def stopped(self) -> list[str]:
         """The servers that stopped while in use (from outside the demo: it
