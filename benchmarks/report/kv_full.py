@@ -29,10 +29,6 @@ def _worst(results: dict[str, Any]) -> float:
     return min(f["sampled_over_stock"] for f in _ours(results).values())
 
 
-def _count(value: int | None) -> str:
-    return "-" if value is None else f"{value:,}"
-
-
 def summary_rows(results: dict[str, Any]) -> list[Row]:
     ratios = " / ".join(
         f"{fmt(f['sampled_over_stock'], 3)} ({name})"
@@ -70,7 +66,7 @@ def section(results: dict[str, Any], figures_dir: Path, md_dir: Path) -> str:
         lines.append(
             f"| {name} | {fmt(f['scheduled_per_step'], 1)} "
             f"| {f['least_per_step']:,} | {f['sampled']:,} "
-            f"| {fmt(f['sampled_over_stock'], 3)} | {_count(f.get('computed'))} "
+            f"| {fmt(f['sampled_over_stock'], 3)} | {f['computed']:,} "
             f"| {f['preemptions']:,} |"
         )
     return "\n".join([*lines, ""])

@@ -38,6 +38,11 @@ def blocks_bound(host: SchedulerHost, claimants: int) -> int:
     return claimants * blocks_for(host, host.max_model_len) + margin(host)
 
 
+def tight(host: SchedulerHost, claimants: int) -> bool:
+    """Whether a claimant's admission may fail for lack of KV blocks."""
+    return num_free_kv_blocks(host) < blocks_bound(host, claimants)
+
+
 def blocks_needed(host: SchedulerHost, heads: Iterable[Request]) -> int:
     """KV blocks the claimants' admissions need free in this step
     (``admission_blocks`` each), plus the running requests' margin."""

@@ -229,7 +229,7 @@ def _reclaim(policy: OutputRatePolicy, slots: StepSlots) -> None:
     host = policy.host
     priority = host.policy == SchedulingPolicy.PRIORITY
     claimants = len(slots.wanted)
-    kv_tight = num_free_kv_blocks(host) < kv_room.blocks_bound(host, claimants)
+    kv_tight = kv_room.tight(host, claimants)
     heads: dict[str, Request] = {}
     if kv_tight or (priority and slots.free < slots.outstanding):
         heads = kv_room.claimant_heads(host.waiting, slots.wanted)
@@ -268,8 +268,7 @@ def waiting_room(host: SchedulerHost, slots: StepSlots | None) -> int:
     slots step after step."""
     if slots is None or not slots.free:
         return 0
-    claimants = len(slots.wanted)
-    if num_free_kv_blocks(host) >= kv_room.blocks_bound(host, claimants):
+    if not kv_room.tight(host, len(slots.wanted)):
         return slots.free
     heads = kv_room.claimant_heads(host.waiting, slots.wanted)
     return min(slots.free, kv_room.admissible(host, heads.values()))
