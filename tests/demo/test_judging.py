@@ -103,6 +103,8 @@ class TestFigures:
         # Client TTFT less the engine's, p50 over all four answers.
         assert f.outside_engine_s == pytest.approx(0.085, abs=0.005)
         assert figures.users["hog"].outside_engine_s is None  # no engine timings
+        assert f.queued_engine_s == pytest.approx(0.15)  # p50 of 0.1, 0.3, 0.2, 0
+        assert figures.users["hog"].queued_engine_s is None
 
     def test_the_others_over_the_window_and_with_limits_at_the_engine(self) -> None:
         # 12 tokens, 0.5 s apart from 0.1 s: 10 fall within the 5 s window.

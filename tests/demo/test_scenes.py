@@ -109,6 +109,7 @@ def test_both_servers_flags_make_the_engine_the_scene_declares(
         )
     if s.key == "kv-blocks":
         assert config.cache_config.num_gpu_blocks_override == 40
+        assert not config.cache_config.enable_prefix_caching
     elif s.key == "prefill-tokens":
         assert config.scheduler_config.max_num_batched_tokens == 512
         assert not config.cache_config.enable_prefix_caching

@@ -37,7 +37,7 @@ def test_kv_blocks_scene_light_user_better_hog_at_its_limit(
     for users in (stock, limited):
         assert all(not u["outcomes"]["failed"] for u in users.values())
     # On stock vLLM the light user waits for KV blocks the hog's requests
-    # hold (hundreds of ms); with limits it gets them back at once.
+    # hold (seconds); with limits it gets them back at once.
     light_ttft = (stock["light"]["ttft_engine_s"], limited["light"]["ttft_engine_s"])
     assert light_ttft[1] < light_ttft[0] / 3, out
     assert limited["hog"]["bound_held"] is True, out

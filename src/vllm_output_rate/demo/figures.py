@@ -66,6 +66,10 @@ class UserFigures:
     # p50 of the client's TTFT less the engine's: the time a request spent
     # in the HTTP front end (both ways) and the client.
     outside_engine_s: float | None = None
+    # p50 of the time a request waited in the engine's queue: a scene's
+    # scarcity shows here (a hog that did not fill the queue says why its
+    # light user was not hurt).
+    queued_engine_s: float | None = None
 
 
 @dataclass
@@ -134,6 +138,19 @@ def outside_engine_s(records: list[RequestRecord]) -> float | None:
     )
 
 
+def queued_engine_s(records: list[RequestRecord]) -> float | None:
+    return _median(
+        [
+            queue / 1000.0
+            for r in records
+            if r.ok
+            and isinstance(
+                queue := (r.engine_metrics or {}).get("queue_time_ms"), (int, float)
+            )
+        ]
+    )
+
+
 def _median(values: list[float]) -> float | None:
     return percentile(values, 50)
 
@@ -197,6 +214,7 @@ def run_figures(
         else:
             window_figures(fig, user, result, engine)
         fig.outside_engine_s = outside_engine_s(result.records)
+        fig.queued_engine_s = queued_engine_s(result.records)
         if engine is not None and fig.limit is not None:
             fig.bound_held = engine.watch.bound_held(
                 user.name, fig.limit, until_s=engine.end_s

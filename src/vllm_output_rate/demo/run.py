@@ -107,12 +107,18 @@ def describe(scene: Scene, figures: RunFigures) -> str:
                 + ("" if answered is None else f", {answered:.0%} answered")
             )
         else:
+            queued = (
+                ""
+                if f.queued_engine_s is None
+                else f", {_ms(f.queued_engine_s)} queued at the engine"
+            )
             outside = (
                 ""
                 if f.outside_engine_s is None
-                else f", {_ms(f.outside_engine_s)} outside the engine"
+                else f", {_ms(f.outside_engine_s)} outside it"
             )
-            parts.append(f"{name}: {_rate(f.rate_engine or f.rate_client)}{outside}")
+            rate = _rate(f.rate_engine or f.rate_client)
+            parts.append(f"{name}: {rate}{queued}{outside}")
     notes = []
     if (tally := figures.tally) is not None:
         notes.append(

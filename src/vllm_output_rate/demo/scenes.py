@@ -119,26 +119,41 @@ class Scene:
 # scarce resource is taken (2 s in), far below its limit (the default).
 LIGHT = DemoUser("light", "light", streams=1, max_tokens=30, start_after_s=2.0)
 
-# About 600 tokens on the tiny model.
+# About 600 and 300 tokens on the tiny model.
 LONG_PROMPT = " ".join(f"w{i}" for i in range(180))
+CONTEXT_PROMPT = " ".join(f"w{i}" for i in range(90))
 
 SCENES: tuple[Scene, ...] = (
     Scene(
         key="kv-blocks",
         title="KV blocks scarce",
-        # A KV cache of 40 blocks of 32 tokens: room for about 13 of the
-        # hog's requests (~100 tokens each, the prompt's first block shared).
-        # Resident slots are plenty (vLLM's default): KV blocks run out.
-        # The light user waits on stock vLLM only while hog requests queue
-        # at the engine, so the hog keeps far more streams than fit: in CI,
-        # hog requests spent seconds between streams (client, HTTP), and
-        # with 24, then 48, streams stock left the light user unhurt. 96
-        # streams keep it waiting ~2 s even with a 3 s pause between each
-        # stream's requests (measured: 48 streams, 0.03 s; 96, 2.1 s).
-        server_args=("--block-size", "32", "--num-gpu-blocks-override", "40"),
+        # A KV cache of 40 blocks of 32 tokens, and the prefix cache off so
+        # that each of the hog's ~300-token contexts takes its own ~11
+        # blocks: 3 of its requests fit. Resident slots are plenty (vLLM's
+        # default): KV blocks run out. On stock vLLM the light user waits
+        # behind the hog's other 21 queued requests. Few tokens a second
+        # keep the KV cache full that way (~150 here), so the hog's client
+        # and vLLM's HTTP front end keep up on a busy 2-core machine: with
+        # short prompts it took ~500 tok/s and 96 streams, which in CI left
+        # the hog's requests in its client, the engine's queue empty and the
+        # light user unhurt.
+        server_args=(
+            "--block-size",
+            "32",
+            "--num-gpu-blocks-override",
+            "40",
+            "--no-enable-prefix-caching",
+        ),
         users=(
             LIGHT,
-            DemoUser("hog", "throttled", streams=96, max_tokens=40, limit=5),
+            DemoUser(
+                "hog",
+                "throttled",
+                streams=24,
+                max_tokens=40,
+                limit=5,
+                prompt=CONTEXT_PROMPT,
+            ),
         ),
     ),
     Scene(
