@@ -11,6 +11,7 @@ from benchmarks.report.format import (
     fmt,
     grouped_bars,
     image,
+    judged,
     pyplot,
     save,
     verdict,
@@ -91,7 +92,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         (
             "fair shares: engine throughput, saturated",
             f"ours / stock >= {ENGINE_TARGET:g}",
-            f"{engine['ratio_median']:.3f} [{q1:.2f}-{q3:.2f}]",
+            f"{judged(engine['ratio_median'], ENGINE_TARGET)} [{q1:.2f}-{q3:.2f}]",
             engine["ratio_median"] >= ENGINE_TARGET,
         )
     )

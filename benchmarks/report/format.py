@@ -19,6 +19,17 @@ def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return f"{value:,.{digits}f}{suffix}"
 
 
+def judged(value: float, bar: float, digits: int = 3) -> str:
+    """``value`` to ``digits`` decimals, or more where those would read as
+    the ``bar`` it is judged against from the other side of it: 0.9797
+    against >= 0.98 shows as 0.9797, not as a missed 0.980."""
+    text = f"{value:.{digits}f}"
+    while value != bar and float(text) == round(bar, digits) and digits < 6:
+        digits += 1
+        text = f"{value:.{digits}f}"
+    return text
+
+
 def verdict(met: bool | None) -> str:
     if met is None:
         return "n.a."

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.format import Row
+from benchmarks.report.format import Row, judged
 from benchmarks.report.throughput import engine_lines
 
 TITLE = "Engines sharing a store"
@@ -36,7 +36,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             (
                 "store: engine throughput, limits not binding",
                 f"with the store / without >= {ENGINE_TARGET:g}",
-                f"{ratio:.3f}",
+                judged(ratio, ENGINE_TARGET),
                 ratio >= ENGINE_TARGET,
             )
         )

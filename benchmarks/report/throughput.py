@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report.format import Row, image, pyplot, save, verdict
+from benchmarks.report.format import Row, image, judged, pyplot, save, verdict
 
 TITLE = "Engine throughput when limits do not bind"
 TARGET = 0.98
@@ -29,9 +29,9 @@ ABOUT = (
 )
 
 
-def _ratio(engine: dict[str, Any]) -> str:
+def _ratio(engine: dict[str, Any], target: float = TARGET) -> str:
     q1, q3 = engine["ratio_quartiles"]
-    return f"{engine['ratio_median']:.3f} [{q1:.2f}-{q3:.2f}]"
+    return f"{judged(engine['ratio_median'], target)} [{q1:.2f}-{q3:.2f}]"
 
 
 def summary_rows(results: dict[str, Any]) -> list[Row]:
@@ -67,7 +67,7 @@ def engine_lines(engine: dict[str, Any], target: float = TARGET) -> list[str]:
     ratios = engine["ratios"]
     return [
         f"**{engine['pair']}** ({engine['description']}; {load}): "
-        f"{labels['candidate']} / {labels['baseline']} **{_ratio(engine)}** "
+        f"{labels['candidate']} / {labels['baseline']} **{_ratio(engine, target)}** "
         f"(median [quartiles] of {engine['rounds']} paired rounds; single "
         f"rounds {min(ratios):.2f}-{max(ratios):.2f}); target >= {target:g}: "
         f"{verdict(engine['ratio_median'] >= target)}.",

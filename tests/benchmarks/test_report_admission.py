@@ -58,3 +58,12 @@ def test_a_503_to_the_hog_or_a_refused_light_user_misses() -> None:
             },
         }
         assert not admission.summary_rows(broken)[1][3]
+
+
+def test_a_ratio_just_below_its_bar_does_not_read_as_the_bar() -> None:
+    below = {**RESULTS["throughput"], "ours_over_stock": {"median": 0.97963}}
+    (row, _) = admission.summary_rows({**RESULTS, "throughput": below})
+    assert row[2:] == ("0.9796", False)
+    at = {**RESULTS["throughput"], "ours_over_stock": {"median": 0.98}}
+    (row, _) = admission.summary_rows({**RESULTS, "throughput": at})
+    assert row[2:] == ("0.980", True)

@@ -12,6 +12,7 @@ import pytest
 from benchmarks.fair_shares import SCENARIOS, engine_shares, opening_order, summarize
 from benchmarks.report import accuracy, fair_shares, isolation, speculative, store
 from benchmarks.report import throughput as throughput_report
+from benchmarks.report.format import judged
 from benchmarks.speculative import bound_excess
 from harness.bounds import S
 
@@ -354,3 +355,11 @@ def test_isolation_judges_b_beside_a(tmp_path: Path) -> None:
     assert "| ours | 1 | 100 | 95 | 0.950 | 50 | 80 | 1.60 | 320 |" in text
     results["summary"]["ours"]["tok_s_ratio"] = 0.85
     assert [met for *_, met in isolation.summary_rows(results)] == [False]
+
+
+def test_judged_adds_digits_only_where_the_rounding_reads_as_the_bar() -> None:
+    assert judged(0.9512, 0.98) == "0.951"
+    assert judged(0.97963, 0.98) == "0.9796"
+    assert judged(1.30004, 1.3) == "1.30004"
+    assert judged(0.98, 0.98) == "0.980"
+    assert judged(0.9799999999, 0.98) == "0.980000"  # at most 6 decimals
