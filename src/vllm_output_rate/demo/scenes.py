@@ -132,12 +132,11 @@ SCENES: tuple[Scene, ...] = (
         # blocks: 3 of its requests fit. Resident slots are plenty (vLLM's
         # default): KV blocks run out. On stock vLLM the light user waits
         # behind the hog's other 21 queued requests. Few tokens a second
-        # keep the KV cache full that way (~150 here), so the hog's client
-        # and vLLM's HTTP front end keep up on a busy 2-core machine: with
-        # short prompts it took ~500 tok/s and 96 streams, and in CI the
-        # engine's queue stayed empty and the light user unhurt. Measured:
-        # even with each hog stream pausing 3 s after each answer, the
-        # light user still waits ~3 s on stock vLLM.
+        # keep the KV cache full that way (~150 here), so the queue does
+        # not hang on how fast the hog's client and vLLM's HTTP front end
+        # are (short prompts needed ~500 tok/s and 96 streams, too many for
+        # a busy 2-core machine): even with each hog stream pausing 3 s
+        # after each answer, the light user waits ~3 s on stock vLLM.
         server_args=(
             "--block-size",
             "32",
