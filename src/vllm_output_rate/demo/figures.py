@@ -108,6 +108,12 @@ def outcomes(user: DemoUser, records: list[RequestRecord], limited: bool) -> Out
     return out
 
 
+def engine_queue_s(r: RequestRecord) -> float | None:
+    """Arrival to scheduled, at the engine."""
+    queue = (r.engine_metrics or {}).get("queue_time_ms")
+    return queue / 1000.0 if isinstance(queue, (int, float)) else None
+
+
 def engine_ttft_s(r: RequestRecord) -> float | None:
     m = r.engine_metrics or {}
     queue, first = m.get("queue_time_ms"), m.get("time_to_first_token_ms")
@@ -140,14 +146,7 @@ def outside_engine_s(records: list[RequestRecord]) -> float | None:
 
 def queued_engine_s(records: list[RequestRecord]) -> float | None:
     return _median(
-        [
-            queue / 1000.0
-            for r in records
-            if r.ok
-            and isinstance(
-                queue := (r.engine_metrics or {}).get("queue_time_ms"), (int, float)
-            )
-        ]
+        [queue for r in records if r.ok and (queue := engine_queue_s(r)) is not None]
     )
 
 
