@@ -128,15 +128,14 @@ SCENES: tuple[Scene, ...] = (
         key="kv-blocks",
         title="KV blocks scarce",
         # A KV cache of 40 blocks of 32 tokens, and the prefix cache off so
-        # that each of the hog's ~300-token contexts takes its own ~11
-        # blocks: 3 of its requests fit. Resident slots are plenty (vLLM's
-        # default): KV blocks run out. On stock vLLM the light user waits
-        # behind the hog's other 21 queued requests. Few tokens a second
-        # keep the KV cache full that way (~150 here), so the queue does
-        # not hang on how fast the hog's client and vLLM's HTTP front end
-        # are (short prompts needed ~500 tok/s and 96 streams, too many for
-        # a busy 2-core machine): even with each hog stream pausing 3 s
-        # after each answer, the light user waits ~3 s on stock vLLM.
+        # that each of the hog's ~300-token contexts with its answer takes
+        # its own ~12 blocks: 3 of its requests fit. Resident slots are
+        # plenty (vLLM's default): KV blocks run out. On stock vLLM the
+        # light user waits behind the hog's queued requests, and the hog's
+        # first 24 alone take longer than the run to drain, so it waits
+        # however slowly the hog's client and vLLM's HTTP front end send
+        # the next ones (with 40-token answers a slow machine let the light
+        # user in between the hog's turns).
         server_args=(
             "--block-size",
             "32",
@@ -150,7 +149,7 @@ SCENES: tuple[Scene, ...] = (
                 "hog",
                 "throttled",
                 streams=24,
-                max_tokens=40,
+                max_tokens=100,
                 limit=5,
                 prompt=CONTEXT_PROMPT,
             ),
