@@ -302,8 +302,13 @@ def test_one_users_limit_holds_across_both_servers_split_by_demand(
         split = split_run(servers, tiny_model_path)
     facts = split.facts
     assert len(split.on_a) + len(split.on_b) >= 0.95 * split.expected, facts
+    # Demand is 3:1, and each engine samples its share only while it steps:
+    # an engine the machine stalled (b for 2.7 s in a CI run) falls behind.
     ratio = len(split.on_a) / max(1, len(split.on_b))
-    assert ratio == pytest.approx(3, rel=0.25), facts
+    stepped_a, stepped_b = (
+        split.seconds - stall for stall in (split.stall_a, split.stall_b)
+    )
+    assert ratio == pytest.approx(3 * stepped_a / max(0.1, stepped_b), rel=0.25), facts
     assert_shared_bound(split.on_a + split.on_b, facts)
     for alone, stall in ((split.witness, split.stall_a), (split.other, split.stall_b)):
         assert len(alone) >= 0.95 * OTHER * (split.seconds - stall), facts
