@@ -129,10 +129,10 @@ SCENES: tuple[Scene, ...] = (
         title="KV blocks scarce",
         # A KV cache of 40 blocks of 32 tokens, and the prefix cache off so
         # that each of the hog's ~300-token contexts with its answer takes
-        # its own ~12 blocks: 3 of its requests fit. Resident slots are
+        # its own ~11 blocks: 3 of its requests fit. Resident slots are
         # plenty (vLLM's default): KV blocks run out. On stock vLLM the
         # light user waits behind the hog's queued requests, and the hog's
-        # first 24 alone take longer than the run to drain, so it waits
+        # first 24 alone take about as long as the run to drain, so it waits
         # however slowly the hog's client and vLLM's HTTP front end send
         # the next ones (with 40-token answers a slow machine let the light
         # user in between the hog's turns).
@@ -149,11 +149,12 @@ SCENES: tuple[Scene, ...] = (
                 "hog",
                 "throttled",
                 streams=24,
-                max_tokens=100,
+                max_tokens=70,
                 limit=5,
                 prompt=CONTEXT_PROMPT,
             ),
         ),
+        duration_s=12.0,
     ),
     Scene(
         key="prefill-tokens",
