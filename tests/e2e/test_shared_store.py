@@ -377,8 +377,9 @@ def test_both_servers_keep_serving_while_the_store_is_down(
 
     # Per stream: a 10 tok/s with leases, 0 while paused (2 s), 20 / 3 at
     # the fallback share; b 10 with leases, 20 at the fallback share.
+    run_s = 16
     t0, results = load_both(
-        tiny_model_path, a, b, 16, u_tokens=(100, 140), during=outage
+        tiny_model_path, a, b, run_s, u_tokens=(100, 140), during=outage
     )
     for result in results:
         assert result is not None and result.ok, result and result.error_summary()
@@ -387,7 +388,7 @@ def test_both_servers_keep_serving_while_the_store_is_down(
         log = url.log_text()
         assert "Output rate store unreachable" in log
         assert "reachable again" in log
-    facts = timeline(logs, t0, t0 + 18 * S)
+    facts = timeline(logs, t0, t0 + (run_s + 2) * S)
     # u is shared: held back until the engines give up on the store (a
     # lease period, 2 s), then each serves it at limit / 2.
     window = (marks["down"] + 3 * S, marks["up"])
@@ -407,7 +408,7 @@ def test_both_servers_keep_serving_while_the_store_is_down(
     # Back on leases: the limit again (the bound is checked below), once
     # the fallback shares held for a lease period (2 s) after each engine's
     # first answer are lifted.
-    end = t0 + 16 * S
+    end = t0 + run_s * S
     back = (marks["resumed"] + 5 * S // 2, end)
     resumed_after_s = (marks["resumed"] - marks["up"]) / S
     assert back[1] - back[0] >= 2 * S, (resumed_after_s, facts)
